@@ -1,0 +1,30 @@
+# Every target bootstraps its own virtual environment in .venv on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-fast soak lint clean
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q --durations=10
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not multiworker and not slow"
+
+soak: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(PY) -m compileall -q distrib_tf tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

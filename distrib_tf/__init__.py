@@ -1,0 +1,46 @@
+"""distrib_tf: data-parallel training with TensorFlow and Keras, on one device or many.
+
+Names that need TensorFlow are imported on first use, so that `distrib_tf.cluster` and
+the launcher start without it.
+
+Example:
+
+    >>> import distrib_tf
+    >>> strategy = distrib_tf.make_strategy()  # Reads TF_CONFIG when it is set.
+"""
+
+import importlib
+import logging
+
+from distrib_tf.cluster import ClusterSpec
+from distrib_tf.cluster import ClusterSpecError
+from distrib_tf.cluster import Task
+from distrib_tf.cluster import load_tf_config
+
+__all__ = [
+    "ClusterSpec",
+    "ClusterSpecError",
+    "Task",
+    "load_tf_config",
+    "make_strategy",
+    "describe_strategy",
+]
+
+_LAZY = {
+    "make_strategy": "distrib_tf.strategy",
+    "describe_strategy": "distrib_tf.strategy",
+}
+
+_logger = logging.getLogger("distrib_tf")
+if not _logger.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("distrib_tf: %(message)s"))
+    _logger.addHandler(_handler)
+    _logger.setLevel(logging.INFO)
+    _logger.propagate = False
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'distrib_tf' has no attribute {name!r}")

@@ -1,0 +1,195 @@
+"""Narrow fixes that make Keras 3 `fit`/`evaluate`/`predict` work with several replicas.
+
+Keras 3 (tested: `TESTED_KERAS`) on TensorFlow breaks under
+`MultiWorkerMirroredStrategy` in ways tf_keras did not (keras-team/keras#20585):
+
+1. `_maybe_symbolic_build` averages the first data batch with `strategy.reduce`,
+   which cannot take a structure of `PerReplica` values across workers. Fixed by
+   building from this worker's first replica's batch: only its shapes matter.
+2. `reduce_per_replica` reduces logs with `strategy.reduce("MEAN", v, axis=0)`, which
+   fails on scalar logs, and `strategy.reduce("SUM", v)` misses its `axis`. Fixed by
+   reducing across replicas element-wise (`axis=None`), what both mean.
+3. `ModelCheckpoint` and `BackupAndRestore` write the same `.h5` files from every
+   worker (an HDF5 lock error, then a dead peer). Saving in Keras 3 runs no
+   collectives, so only the chief (`strategy.extended.should_checkpoint`) writes;
+   the others skip the write. Every worker still restores from the backup.
+4. `steps_per_execution > 1` does not run under several replicas: refused at
+   `compile` with a clear error.
+5. `TensorBoard` writes every worker's events into one directory: non-chief workers
+   write into a scratch directory that is removed when training ends.
+6. `jit_compile=True` puts the cross-replica step inside XLA, which has no CPU
+   collectives (the process aborts under several workers) and cannot span logical
+   CPU devices: refused at `compile` when the replicas are on CPU.
+
+Each fix changes behaviour only in the case it names and otherwise calls the original.
+`apply()` installs them once per process; `make_strategy()` calls it whenever the
+strategy has more than one replica. Other Keras versions get a warning and no fixes.
+"""
+
+import functools
+import inspect
+import logging
+import shutil
+import tempfile
+
+import keras
+import tensorflow as tf
+from keras.src.backend.tensorflow import trainer as _tf_trainer
+from keras.src.trainers import trainer as _base_trainer
+
+logger = logging.getLogger("distrib_tf")
+
+TESTED_KERAS = ((3, 15), (3, 15))  # Inclusive range of (major, minor) versions.
+_applied = False
+
+
+def keras_version() -> tuple[int, int]:
+    major, minor = keras.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def is_tested_version() -> bool:
+    low, high = TESTED_KERAS
+    return low <= keras_version() <= high
+
+
+def _fixes():
+    """Fix name to the `(owner, attribute, replacement)` triples it installs."""
+    callbacks = keras.callbacks
+    return {
+        "symbolic_build": [
+            (_tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build", _maybe_symbolic_build)
+        ],
+        "reduce_per_replica": [(_tf_trainer, "reduce_per_replica", _reduce_per_replica)],
+        "compile_checks": [(_base_trainer.Trainer, "compile", _compile)],
+        "model_checkpoint": [(callbacks.ModelCheckpoint, "_save_model", _chief_only)],
+        "backup_and_restore": [
+            (callbacks.BackupAndRestore, "_save_model", _chief_only),
+            (callbacks.BackupAndRestore, "on_train_end", _chief_only),
+        ],
+        "tensorboard": [
+            (callbacks.TensorBoard, "set_model", _tensorboard_set_model),
+            (callbacks.TensorBoard, "on_train_end", _tensorboard_on_train_end),
+        ],
+    }
+
+
+def apply() -> bool:
+    """Installs every fix once per process; returns whether they are installed."""
+    global _applied
+    if _applied:
+        return True
+    if not is_tested_version():
+        logger.warning(
+            "Keras %s is not a version distrib_tf was tested with (%s to %s.x): its "
+            "multi-replica fixes are not applied and fit() may fail under several workers.",
+            keras.__version__, ".".join(map(str, TESTED_KERAS[0])), ".".join(map(str, TESTED_KERAS[1])),
+        )
+        return False
+    for patches in _fixes().values():
+        for owner, name, fix in patches:
+            _patch(owner, name, fix)
+    _applied = True
+    return True
+
+
+def revert(name: str) -> None:
+    """Removes one installed fix (by its `_fixes()` name), to show it is needed."""
+    for owner, attribute, _ in _fixes()[name]:
+        original = getattr(owner, attribute).__distrib_tf_original__
+        setattr(owner, attribute, original)
+
+
+def _patch(owner, name, fix):
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def patched(*args, **kwargs):
+        return fix(original, *args, **kwargs)
+
+    patched.__distrib_tf_original__ = original
+    setattr(owner, name, patched)
+
+
+def _is_multi_worker(strategy) -> bool:
+    return _tf_trainer._collective_all_reduce_multi_worker(strategy)  # pylint: disable=protected-access
+
+
+def _is_chief(model) -> bool:
+    return model.distribute_strategy.extended.should_checkpoint
+
+
+# Fix 1.
+def _maybe_symbolic_build(original, self, iterator=None, data_batch=None):
+    strategy = self._distribute_strategy  # pylint: disable=protected-access
+    if strategy is None or iterator is None or not _is_multi_worker(strategy):
+        return original(self, iterator=iterator, data_batch=data_batch)
+    for _, _, it in iterator:
+        data_batch = tf.nest.map_structure(
+            lambda x: strategy.experimental_local_results(x)[0]
+            if isinstance(x, tf.distribute.DistributedValues) else x,
+            next(it),
+        )
+        break
+    return original(self, data_batch=data_batch)
+
+
+# Fix 2.
+def _reduce_per_replica(original, values, strategy, reduction):
+    if reduction in ("auto", "mean", "sum") and _is_multi_worker(strategy):
+        op = "SUM" if reduction == "sum" else "MEAN"
+        return tf.nest.map_structure(lambda v: strategy.reduce(op, v, axis=None), values)
+    return original(values, strategy, reduction)
+
+
+# Fixes 4 and 6.
+def _compile(original, self, *args, **kwargs):
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    strategy = self.distribute_strategy
+    steps = bound.arguments["steps_per_execution"]
+    if strategy.num_replicas_in_sync > 1 and steps != 1:
+        raise ValueError(
+            "Invalid value for argument `steps_per_execution`. Received: "
+            f"steps_per_execution={steps!r} under {type(strategy).__name__} with "
+            f"{strategy.num_replicas_in_sync} replicas. Expected 1: Keras "
+            f"{keras.__version__} cannot run several steps per execution on several "
+            "replicas."
+        )
+    jit = bound.arguments["jit_compile"]
+    if jit is True and strategy.num_replicas_in_sync > 1 and not tf.config.list_physical_devices("GPU"):
+        raise ValueError(
+            "Invalid value for argument `jit_compile`. Received: jit_compile=True under "
+            f"{type(strategy).__name__} with {strategy.num_replicas_in_sync} CPU replicas. "
+            "Expected False or 'auto': XLA cannot compile a step whose replicas or "
+            "collectives span several CPU devices."
+        )
+    return original(self, *args, **kwargs)
+
+
+# Fix 3.
+def _chief_only(original, self, *args, **kwargs):
+    if _is_chief(self.model):
+        return original(self, *args, **kwargs)
+    return None
+
+
+# Fix 5.
+def _tensorboard_set_model(original, self, model):
+    if _is_chief(model):
+        return original(self, model)
+    log_dir = self.log_dir
+    self._distrib_tf_scratch = self.log_dir = tempfile.mkdtemp(prefix="distrib_tf_tb_")  # pylint: disable=protected-access
+    try:
+        return original(self, model)
+    finally:
+        self.log_dir = log_dir
+
+
+def _tensorboard_on_train_end(original, self, logs=None):
+    try:
+        return original(self, logs)
+    finally:
+        scratch = getattr(self, "_distrib_tf_scratch", None)
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,71 @@
+"""Start the tasks of a cluster spec as local processes, each with its own TF_CONFIG."""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from distrib_tf.cluster import ClusterSpec
+
+QUIET_TF = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
+
+
+@dataclasses.dataclass
+class TaskResult:
+    task: str
+    returncode: int
+    output: str
+
+
+def local_spec(num_workers: int) -> ClusterSpec:
+    return ClusterSpec.from_dict({"cluster": {"worker": ["127.0.0.1:0"] * num_workers}})
+
+
+def run_cluster(argv, *, spec, env=None, timeout=180) -> list[TaskResult]:
+    """Runs `python argv...` once per task of `spec`; SIGKILLs all at `timeout` seconds."""
+    spec = spec.with_free_ports()
+    procs = []
+    for task in spec.tasks:
+        task_env = {**os.environ, **QUIET_TF, **(env or {}), "TF_CONFIG": spec.tf_config(task)}
+        procs.append((str(task), subprocess.Popen(
+            [sys.executable, *map(str, argv)], env=task_env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )))
+    return _collect(procs, timeout)
+
+
+def run_single(argv, *, env=None, timeout=180) -> TaskResult:
+    """Runs `python argv...` as one process with no TF_CONFIG."""
+    base = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    proc = subprocess.Popen(
+        [sys.executable, *map(str, argv)], env={**base, **QUIET_TF, **(env or {})},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    return _collect([("single", proc)], timeout)[0]
+
+
+def _collect(procs, timeout):
+    deadline = time.monotonic() + timeout
+    results = []
+    for name, proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            for _, other in procs:
+                if other.poll() is None:
+                    os.killpg(other.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            output += f"\n[killed after {timeout}s]"
+        results.append(TaskResult(name, proc.returncode, output))
+    return results
+
+
+def check_ok(results):
+    failed = [r for r in results if r.returncode != 0]
+    assert not failed, "\n".join(
+        f"--- {r.task} exited {r.returncode}:\n{r.output[-3000:]}" for r in failed
+    )
+    return results

@@ -1,0 +1,80 @@
+"""make_strategy on CPU: each kind, `auto` from TF_CONFIG, bad arguments. Real processes."""
+
+import json
+import os
+
+import pytest
+
+from cluster_runner import check_ok, local_spec, run_cluster, run_single
+
+HERE = os.path.dirname(__file__)
+DESCRIBE = os.path.join(HERE, "workers", "describe.py")
+ENV = {"PYTHONPATH": os.path.dirname(HERE)}
+
+
+def describe(**kwargs):
+    result = run_single([DESCRIBE, json.dumps(kwargs)], env=ENV)
+    check_ok([result])
+    return json.loads(result.output.strip().splitlines()[-1])
+
+
+def describe_error(env=None, **kwargs):
+    result = run_single([DESCRIBE, json.dumps(kwargs)], env={**ENV, **(env or {})}, timeout=60)
+    assert result.returncode != 0, result.output
+    return result.output
+
+
+def test_auto_without_tf_config_is_one_device():
+    built = describe()
+    assert built["class"] == "OneDeviceStrategy" and built["replicas"] == 1
+    assert built["devices"][0].endswith("CPU:0")
+
+
+def test_mirrored_over_logical_cpus():
+    built = describe(kind="mirrored", cpu_replicas=2)
+    assert built["class"] == "MirroredStrategy" and built["replicas"] == 2
+    assert [d[-5:] for d in built["devices"]] == ["CPU:0", "CPU:1"]
+    assert built["line"].startswith("MirroredStrategy: 2 replica(s)")
+
+
+def test_auto_with_cpu_replicas_is_mirrored():
+    assert describe(cpu_replicas=3)["replicas"] == 3
+
+
+def test_explicit_kind_wins_over_tf_config():
+    spec = local_spec(2).with_free_ports()
+    single = run_single([DESCRIBE, json.dumps({"kind": "one_device"})],
+                        env={**ENV, "TF_CONFIG": spec.tf_config(spec.tasks[0])})
+    check_ok([single])
+    assert json.loads(single.output.strip().splitlines()[-1])["class"] == "OneDeviceStrategy"
+
+
+@pytest.mark.multiworker
+def test_auto_from_tf_config_is_multi_worker():
+    results = check_ok(run_cluster([DESCRIBE, json.dumps({"communication": "ring", "timeout_seconds": 30})],
+                                   spec=local_spec(2), env=ENV, timeout=120))
+    lines = [json.loads(r.output.strip().splitlines()[-1])["line"] for r in results]
+    for index, line in enumerate(lines):
+        assert line.startswith("MultiWorkerMirroredStrategy: 2 replica(s) on 2 worker(s)"), line
+        assert f"this is worker:{index}, communication=RING" in line
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"kind": "tpu"}, r"Invalid value for argument `kind`\. Received: kind='tpu'\. Expected one of 'auto', 'one_device', 'mirrored', 'multi_worker'"),
+    ({"communication": "mpi"}, r"Received: communication='mpi'"),
+    ({"cpu_replicas": 0}, r"Received: cpu_replicas=0\. Expected a positive integer or None"),
+    ({"timeout_seconds": -1}, r"Received: timeout_seconds=-1"),
+    ({"bytes_per_pack": -5}, r"Received: bytes_per_pack=-5"),
+    ({"kind": "multi_worker"}, r"Received: kind='multi_worker' with no TF_CONFIG set"),
+    ({"kind": "mirrored", "cpu_replicas": 2, "start_runtime_first": True},
+     r"make_strategy\(\) must be called before TensorFlow runs any operation"),
+])
+def test_bad_arguments(kwargs, message):
+    import re  # pylint: disable=import-outside-toplevel
+
+    assert re.search(message, describe_error(**kwargs))
+
+
+def test_bad_tf_config_never_reaches_tensorflow():
+    output = describe_error(env={"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1"]}, "task": {"type": "worker", "index": 0}}'})
+    assert "ClusterSpecError: Invalid value for `cluster.worker[0]` in TF_CONFIG. Received: '127.0.0.1'" in output
