@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast soak lint clean
+.PHONY: install train test test-fast soak lint clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,9 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m distrib_tf.train --model=cnn --model_dir=runs/cnn
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=10

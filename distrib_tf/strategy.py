@@ -222,13 +222,18 @@ def _make_multi_worker(tf_config, options: StrategyOptions) -> tf.distribute.Str
     )
 
 
+def strategy_name(strategy: tf.distribute.Strategy) -> str:
+    """The public class name, e.g. `MultiWorkerMirroredStrategy` (not its private alias)."""
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return "MultiWorkerMirroredStrategy"
+    return type(strategy).__name__
+
+
 def describe_strategy(strategy: tf.distribute.Strategy) -> str:
     """One line: what strategy, how many workers and replicas, on which devices."""
     extended = strategy.extended
     devices = ",".join(extended.worker_devices)
-    name = type(strategy).__name__
-    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        name = "MultiWorkerMirroredStrategy"
+    name = strategy_name(strategy)
     line = f"{name}: {strategy.num_replicas_in_sync} replica(s)"
     if name == "MultiWorkerMirroredStrategy":
         resolver = strategy.cluster_resolver

@@ -1,0 +1,60 @@
+"""The callbacks of the main job: backup, checkpoints, TensorBoard, timing, progress.
+
+Under several workers only the chief writes into `model_dir`: Keras's own
+`BackupAndRestore`, `ModelCheckpoint` and `TensorBoard` are made chief-aware by
+`distrib_tf._keras_compat`, so a user's own callbacks get the same behaviour.
+"""
+
+import os
+import time
+
+import keras
+
+
+class EpochTimer(keras.callbacks.Callback):
+    """Records seconds and examples per second of every epoch into the logs."""
+
+    def __init__(self, examples_per_epoch: int):
+        super().__init__()
+        self.examples_per_epoch = examples_per_epoch
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        seconds = time.perf_counter() - self._start
+        self.seconds.append(seconds)
+        if logs is not None:
+            logs["epoch_seconds"] = seconds
+            logs["examples_per_second"] = self.examples_per_epoch / seconds
+
+
+class EpochLine(keras.callbacks.Callback):
+    """Prints one line per epoch: for workers that show no progress bar."""
+
+    def __init__(self, task: str, epochs: int):
+        super().__init__()
+        self.task, self.epochs = task, epochs
+
+    def on_epoch_end(self, epoch, logs=None):
+        metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted((logs or {}).items()))
+        print(f"[{self.task}] epoch {epoch + 1}/{self.epochs} {metrics}", flush=True)
+
+
+def make_callbacks(model_dir: str, *, task: str, is_chief: bool, epochs: int,
+                   examples_per_epoch: int) -> list[keras.callbacks.Callback]:
+    """The main job's callbacks, writing under `model_dir` (the chief only)."""
+    callbacks = [
+        EpochTimer(examples_per_epoch),
+        keras.callbacks.BackupAndRestore(os.path.join(model_dir, "backup")),
+        keras.callbacks.ModelCheckpoint(
+            os.path.join(model_dir, "checkpoints", "epoch{epoch:03d}.weights.h5"),
+            save_weights_only=True,
+        ),
+        keras.callbacks.TensorBoard(os.path.join(model_dir, "logs"), write_graph=False),
+    ]
+    if not is_chief:
+        callbacks.append(EpochLine(task, epochs))
+    return callbacks

@@ -1,0 +1,25 @@
+"""A small convolutional classifier: conv, batch norm, pooling, dense."""
+
+import keras
+
+
+def build_cnn(*, input_shape: tuple[int, ...], num_classes: int, width: int = 32) -> keras.Model:
+    """Three conv blocks (`width`, `width`, `2 * width` filters), global pooling, a dense head.
+
+    Example:
+
+        >>> build_cnn(input_shape=(28, 28, 1), num_classes=10, width=8).count_params()
+        2370
+    """
+    inputs = keras.Input(input_shape)
+    x = inputs
+    for filters, pool in ((width, False), (width, True), (2 * width, True)):
+        x = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
+        x = keras.layers.BatchNormalization(momentum=0.9)(x)  # Short runs: stats settle fast.
+        x = keras.layers.ReLU()(x)
+        if pool:
+            x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    x = keras.layers.Dense(2 * width, activation="relu")(x)
+    outputs = keras.layers.Dense(num_classes, dtype="float32")(x)  # Float32 logits under mixed precision.
+    return keras.Model(inputs, outputs, name="cnn")

@@ -1,0 +1,276 @@
+"""The main job: flags, then config, strategy, data, model, `fit`, summary.
+
+Usage:
+
+    python -m distrib_tf.train [--model=cnn|transformer] [--dataset=NAME] [--epochs=N]
+        [--global_batch_size=N] [--model_dir=DIR] [--strategy=auto] ...
+
+With no flags it trains the CNN on the offline `shapes` dataset; `--model=transformer`
+uses the offline `tokens` dataset. It reads `TF_CONFIG` when set, so the same command
+runs as every worker of a cluster (see `distrib_tf.launch`). Under `model_dir`:
+`backup/` (a restarted job resumes from it), `checkpoints/`, `logs/` (TensorBoard) and
+`summary.json`, all written by the chief only.
+
+Bad flags print one line and exit with code 2. This module only parses flags: the work
+is `train_and_evaluate(config, model_dir)`, which a notebook can call too.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+from distrib_tf import cluster
+from distrib_tf.models import MODELS
+
+MIXED_PRECISION = {"off": "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
+DEFAULT_DATASETS = {"cnn": "shapes", "transformer": "tokens"}
+MODEL_KINDS = {"cnn": "image", "transformer": "text"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything the main job needs but the `model_dir`; validated at construction.
+
+    Example:
+
+        >>> config = TrainConfig(model="transformer", epochs=1)
+        >>> config.dataset
+        'tokens'
+    """
+
+    model: str = "cnn"
+    dataset: str = ""
+    data_dir: str | None = None
+    epochs: int = 3
+    global_batch_size: int = 64
+    learning_rate: float = 1e-3
+    strategy: str = "auto"
+    cpu_replicas: int | None = None
+    mixed_precision: str = "off"
+    seed: int = 0
+    steps_per_epoch: int | None = None
+    collective_timeout: float | None = None
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            _invalid("model", self.model, f"one of {', '.join(MODELS)}")
+        if not self.dataset:
+            object.__setattr__(self, "dataset", DEFAULT_DATASETS[self.model])
+        for name in ("epochs", "global_batch_size"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("cpu_replicas", "steps_per_epoch"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if not self.learning_rate > 0:
+            _invalid("learning_rate", self.learning_rate, "a number > 0")
+        if self.collective_timeout is not None and not self.collective_timeout > 0:
+            _invalid("collective_timeout", self.collective_timeout, "a number of seconds > 0")
+        if self.mixed_precision not in MIXED_PRECISION:
+            _invalid("mixed_precision", self.mixed_precision, f"one of {', '.join(MIXED_PRECISION)}")
+        if self.strategy not in ("auto", "one_device", "mirrored", "multi_worker"):
+            _invalid("strategy", self.strategy, "one of auto, one_device, mirrored, multi_worker")
+
+
+def _invalid(flag, value, expected):
+    raise ValueError(f"Invalid value for `--{flag}`. Received: {value!r}. Expected {expected}.")
+
+
+def _check_positive_int(flag, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        _invalid(flag, value, "a positive integer")
+
+
+@dataclasses.dataclass
+class Job:
+    """A validated job, ready to run: its strategy, data and model are built."""
+
+    config: TrainConfig
+    model_dir: str
+    strategy: object
+    strategy_name: str
+    info: object
+    task: str
+    workers: int
+    is_chief: bool
+    steps_per_epoch: int
+    validation_steps: int
+
+
+def prepare_job(config: TrainConfig, model_dir: str) -> Job:
+    """Checks everything a user can get wrong, then builds the strategy.
+
+    Raises:
+        ValueError: `TF_CONFIG`, the dataset, the model or the batch size is unusable.
+        FileNotFoundError: the dataset is not prepared in `data_dir`.
+    Nothing is written before all checks pass.
+    """
+    from distrib_tf import data  # pylint: disable=import-outside-toplevel
+    from distrib_tf.strategy import make_strategy  # pylint: disable=import-outside-toplevel
+    from distrib_tf.strategy import strategy_name  # pylint: disable=import-outside-toplevel
+
+    data.check_dataset_name(config.dataset)
+    strategy = make_strategy(config.strategy, cpu_replicas=config.cpu_replicas,
+                             timeout_seconds=config.collective_timeout)
+    info = data.load_info(config.dataset, data_dir=config.data_dir)
+    if info.kind != MODEL_KINDS[config.model]:
+        _invalid("dataset", config.dataset,
+                 f"a dataset of {MODEL_KINDS[config.model]}s for --model={config.model}")
+    data.check_global_batch_size(config.global_batch_size, strategy.num_replicas_in_sync)
+    steps = config.steps_per_epoch or data.steps_per_epoch(info, "train", config.global_batch_size)
+    validation_steps = data.steps_per_epoch(info, "test", config.global_batch_size)
+    resolver = getattr(strategy, "cluster_resolver", None)
+    multi_worker = strategy_name(strategy) == "MultiWorkerMirroredStrategy"
+    task = f"{resolver.task_type}:{resolver.task_id}" if multi_worker else "chief"
+    workers = cluster.load_tf_config()[0].num_workers if multi_worker else 1
+    return Job(config, model_dir, strategy, strategy_name(strategy), info, task, workers,
+               strategy.extended.should_checkpoint, steps, validation_steps)
+
+
+def run_job(job: Job) -> dict:
+    """Trains and evaluates; returns the summary (written to `summary.json` by the chief)."""
+    import keras  # pylint: disable=import-outside-toplevel
+
+    from distrib_tf import callbacks as callbacks_lib  # pylint: disable=import-outside-toplevel
+    from distrib_tf import data  # pylint: disable=import-outside-toplevel
+    from distrib_tf.models import build_model  # pylint: disable=import-outside-toplevel
+
+    config, strategy, info = job.config, job.strategy, job.info
+    started = time.time()
+    keras.utils.set_random_seed(config.seed)
+    keras.mixed_precision.set_global_policy(MIXED_PRECISION[config.mixed_precision])
+    if job.is_chief:
+        os.makedirs(job.model_dir, mode=0o700, exist_ok=True)
+
+    def distributed(split):
+        return strategy.distribute_datasets_from_function(data.make_dataset_fn(
+            info, split, global_batch_size=config.global_batch_size, seed=config.seed))
+
+    with strategy.scope():
+        if config.model == "cnn":
+            model = build_model("cnn", input_shape=info.input_shape, num_classes=info.num_classes)
+        else:
+            model = build_model("transformer", vocab_size=info.vocab_size,
+                                seq_len=info.input_shape[0], num_classes=info.num_classes)
+        model.compile(
+            optimizer=keras.optimizers.Adam(config.learning_rate),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    callbacks = callbacks_lib.make_callbacks(
+        job.model_dir, task=job.task, is_chief=job.is_chief, epochs=config.epochs,
+        examples_per_epoch=job.steps_per_epoch * config.global_batch_size)
+    verbose = (1 if sys.stdout.isatty() else 2) if job.is_chief else 0
+    history = model.fit(
+        distributed("train"), epochs=config.epochs, steps_per_epoch=job.steps_per_epoch,
+        validation_data=distributed("test"), validation_steps=job.validation_steps,
+        callbacks=callbacks, verbose=verbose, shuffle=False,  # The pipeline shuffles.
+    )
+    final = model.evaluate(distributed("test"), steps=job.validation_steps,
+                           return_dict=True, verbose=0)
+    timer = callbacks[0]
+    summary = {
+        "config": dataclasses.asdict(config),
+        "dataset": dataclasses.asdict(info),
+        "strategy": job.strategy_name,
+        "workers": job.workers,
+        "replicas": strategy.num_replicas_in_sync,
+        "epochs": [{"epoch": epoch + 1, **{k: float(v[i]) for k, v in history.history.items()}}
+                   for i, epoch in enumerate(history.epoch)],
+        "final": {k: float(v) for k, v in final.items()},
+        "examples_per_second": _steady_rate(timer.seconds, timer.examples_per_epoch),
+        "wall_seconds": time.time() - started,
+    }
+    if job.is_chief:
+        _write_json_atomically(os.path.join(job.model_dir, "summary.json"), summary)
+    return summary
+
+
+def _steady_rate(seconds: list[float], examples: int) -> float | None:
+    """Examples per second, leaving out the first epoch (tracing) when there are others."""
+    steady = seconds[1:] or seconds
+    return examples * len(steady) / sum(steady) if steady else None
+
+
+def _write_json_atomically(path: str, content: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(content, f, indent=2)
+    os.replace(tmp, path)
+
+
+def train_and_evaluate(config: TrainConfig, model_dir: str) -> dict:
+    """Runs the main job; returns its summary.
+
+    Example:
+
+        >>> summary = train_and_evaluate(TrainConfig(epochs=1), "/tmp/run")
+        >>> summary["final"]["accuracy"] > 0.1
+        True
+    """
+    return run_job(prepare_job(config, model_dir))
+
+
+# Command line -------------------------------------------------------------------------
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "cnn", f"Model: {', '.join(MODELS)}.")
+flags.DEFINE_string("dataset", "", "Dataset (default: the model's offline default).")
+flags.DEFINE_string("data_dir", None, "Where TFDS data was prepared.")
+flags.DEFINE_integer("epochs", 3, "Epochs to train.")
+flags.DEFINE_integer("global_batch_size", 64, "Batch size over all replicas.")
+flags.DEFINE_float("learning_rate", 1e-3, "Adam learning rate.")
+flags.DEFINE_string("model_dir", None, "Output directory (default: runs/MODEL).")
+flags.DEFINE_string("strategy", "auto", "auto, one_device, mirrored or multi_worker.")
+flags.DEFINE_integer("cpu_replicas", None, "Split the CPU into this many replicas.")
+flags.DEFINE_string("mixed_precision", "off", "off, bfloat16 or float16.")
+flags.DEFINE_integer("seed", 0, "Random seed.")
+flags.DEFINE_integer("steps_per_epoch", None, "Steps per epoch (default: one pass).")
+flags.DEFINE_float("collective_timeout", None, "Seconds before a stuck all-reduce fails.")
+
+
+def config_from_flags() -> TrainConfig:
+    return TrainConfig(**{
+        field.name: getattr(FLAGS, field.name) for field in dataclasses.fields(TrainConfig)
+    })
+
+
+def _fail(message: str):
+    print(f"distrib-tf-train: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _parse_flags(argv):
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        _fail(str(e).splitlines()[0])
+
+
+def main(argv):
+    if len(argv) > 1:
+        _fail(f"unexpected arguments {argv[1:]}; flags look like --epochs=3")
+    try:
+        config = config_from_flags()
+        job = prepare_job(config, FLAGS.model_dir or os.path.join("runs", config.model))
+    except (ValueError, FileNotFoundError) as e:  # ClusterSpecError is a ValueError.
+        _fail(str(e))
+    summary = run_job(job)
+    if job.is_chief:
+        print(f"final accuracy {summary['final']['accuracy']:.4f} "
+              f"(chance {1 / job.info.num_classes:.4f}) on {config.dataset} test; "
+              f"summary: {os.path.join(job.model_dir, 'summary.json')}", flush=True)
+
+
+def run():
+    """Console script `distrib-tf-train`."""
+    app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,123 @@
+"""Datasets and sharded pipelines: offline defaults, TFDS (mocked data), TFRecord shards."""
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from cluster_runner import check_ok, local_spec, run_cluster
+from distrib_tf import data
+
+HERE = os.path.dirname(__file__)
+ENV = {"PYTHONPATH": os.path.dirname(HERE)}
+
+
+def _digest(row):
+    return hashlib.blake2b(row.tobytes(), digest_size=8).hexdigest()
+
+
+def _fingerprints(dataset, steps):
+    seen = []
+    for x, _ in dataset.take(steps):
+        seen += [_digest(row) for row in x.numpy()]
+    return seen
+
+
+@pytest.mark.parametrize("name, shape, classes", [("shapes", (28, 28, 1), 10), ("tokens", (64,), 4)])
+def test_offline_defaults_are_fixed_and_balanced(name, shape, classes):
+    info = data.load_info(name)
+    assert info.input_shape == shape and info.num_classes == classes
+    first = list(data.load_source(info, "test").take(3).as_numpy_iterator())
+    again = list(data.load_source(info, "test").take(3).as_numpy_iterator())
+    for (x1, y1), (x2, y2) in zip(first, again):
+        np.testing.assert_array_equal(x1, x2)
+        assert y1 == y2
+    labels = np.array([y for _, y in data.load_source(info, "train").as_numpy_iterator()])
+    assert len(labels) == info.num_examples["train"]
+    assert np.bincount(labels).min() > 0.7 * len(labels) / classes
+
+
+@pytest.mark.parametrize("name, kind, shape", [
+    ("mnist", "image", (28, 28, 1)),
+    ("fashion_mnist", "image", (28, 28, 1)),
+    ("cifar10", "image", (32, 32, 3)),
+    ("imdb_reviews", "text", (data.TEXT_SEQ_LEN,)),
+])
+def test_tfds_datasets_through_mock_data(name, kind, shape):
+    with tfds.testing.mock_data(num_examples=64):
+        info = data.load_info(name)
+        assert info.kind == kind and info.input_shape == shape
+        dataset = data.make_dataset_fn(info, "train", global_batch_size=8)(tf.distribute.InputContext())
+        x, y = next(iter(dataset))
+    assert x.shape == (8, *shape) and y.shape == (8,)
+    if kind == "text":
+        assert x.dtype == tf.int32 and int(tf.reduce_max(x)) < data.TEXT_VOCAB_SIZE
+    else:
+        assert 0.0 <= float(tf.reduce_min(x)) and float(tf.reduce_max(x)) <= 1.0
+
+
+def test_tfds_not_prepared_names_dataset_dir_and_command(tmp_path):
+    with pytest.raises(FileNotFoundError) as error:
+        data.load_info("mnist", data_dir=str(tmp_path))
+    message = str(error.value)
+    assert "\n" not in message
+    assert f"Dataset 'mnist' is not prepared in data_dir={tmp_path}" in message
+    assert f"tfds.load('mnist', data_dir='{tmp_path}')" in message
+
+
+def test_unknown_dataset_and_bad_batch():
+    with pytest.raises(ValueError, match=r"Invalid value for `--dataset`\. Received: 'imagenet'\. Expected one of shapes, tokens, mnist"):
+        data.load_info("imagenet")
+    with pytest.raises(ValueError, match=r"Received: 10\. Expected a multiple of the 4 replicas, such as 8\."):
+        data.check_global_batch_size(10, 4)
+    with pytest.raises(ValueError, match=r"Received: 0\. Expected a positive integer"):
+        data.check_global_batch_size(0, 1)
+
+
+@pytest.fixture(scope="module")
+def tokens_tfrecords(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("tokens_tfrecord"))
+    assert data.main(["prepare", "--dataset=tokens", f"--out={out}", "--num_shards=4"]) == 0
+    return out
+
+
+def test_tfrecords_read_back_the_same_examples(tokens_tfrecords):
+    info = data.load_info(f"tfrecord:{tokens_tfrecords}")
+    assert info.num_examples == data.load_info("tokens").num_examples
+    assert len([f for f in os.listdir(tokens_tfrecords) if f.startswith("train-")]) == 4
+    original = sorted(_fingerprints(data.load_source(data.load_info("tokens"), "test").batch(256), 8))
+    assert sorted(_fingerprints(data.load_source(info, "test").batch(256), 8)) == original
+
+
+@pytest.mark.parametrize("pipelines, how", [(2, "by file"), (4, "by file"), (8, "by data")])
+def test_file_or_data_sharding_covers_every_example_once(tokens_tfrecords, caplog, pipelines, how):
+    info = data.load_info(f"tfrecord:{tokens_tfrecords}")
+    dataset_fn = data.make_dataset_fn(info, "train", global_batch_size=8 * pipelines)
+    steps = data.steps_per_epoch(info, "train", 8 * pipelines)
+    seen = []
+    with caplog.at_level("INFO", logger="distrib_tf"):
+        for index in range(pipelines):
+            context = tf.distribute.InputContext(pipelines, index, pipelines)
+            seen += _fingerprints(dataset_fn(context), steps)
+    assert f"reads its shard {how}" in caplog.text
+    assert len(seen) == len(set(seen)) == info.num_examples["train"]
+
+
+@pytest.mark.multiworker
+def test_two_workers_see_every_example_once_per_epoch(tmp_path):
+    check_ok(run_cluster([os.path.join(HERE, "workers", "shards.py"), "tokens", 64, tmp_path],
+                         spec=local_spec(2), env=ENV, timeout=120))
+    views = []
+    for task in ("worker_0", "worker_1"):
+        with open(tmp_path / f"{task}.json") as f:
+            views.append(json.load(f))
+    assert views[0]["steps"] == views[1]["steps"] == 8192 // 64
+    first, second = set(views[0]["seen"]), set(views[1]["seen"])
+    assert len(first) == len(views[0]["seen"]) == 4096 and len(second) == 4096
+    assert not first & second
+    expected = {_digest(x) for x, _ in data.load_source(data.load_info("tokens"), "train").as_numpy_iterator()}
+    assert first | second == expected

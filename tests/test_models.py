@@ -1,0 +1,34 @@
+"""Model builders: pinned parameter counts, shapes, bad arguments."""
+
+import pytest
+
+from distrib_tf.models import build_model
+
+
+@pytest.mark.parametrize("kwargs, params", [
+    ({"input_shape": (28, 28, 1), "num_classes": 10}, 33258),
+    ({"input_shape": (32, 32, 3), "num_classes": 10}, 33834),
+    ({"input_shape": (28, 28, 1), "num_classes": 10, "width": 8}, 2370),
+])
+def test_cnn_parameter_count(kwargs, params):
+    model = build_model("cnn", **kwargs)
+    assert model.count_params() == params
+    assert model.output_shape == (None, kwargs["num_classes"])
+
+
+@pytest.mark.parametrize("kwargs, params", [
+    ({"vocab_size": 1000, "seq_len": 64, "num_classes": 4}, 135300),
+    ({"vocab_size": 8192, "seq_len": 128, "num_classes": 2, "depth": 1}, 566082),
+    ({"vocab_size": 100, "seq_len": 16, "num_classes": 2, "depth": 1, "width": 8, "heads": 2, "mlp_dim": 16}, 1546),
+])
+def test_transformer_parameter_count(kwargs, params):
+    model = build_model("transformer", **kwargs)
+    assert model.count_params() == params
+    assert model.output_shape == (None, kwargs["num_classes"])
+
+
+def test_bad_model_arguments():
+    with pytest.raises(ValueError, match=r"Invalid value for `--model`\. Received: 'resnet'\. Expected one of cnn, transformer"):
+        build_model("resnet")
+    with pytest.raises(ValueError, match=r"Received: heads=3 with width=64\. Expected a divisor of `width`"):
+        build_model("transformer", vocab_size=10, seq_len=4, num_classes=2, heads=3)

@@ -1,0 +1,96 @@
+"""The main job end to end: real runs of both models, 2 workers, resume, bad flags."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cluster_runner import QUIET_TF, check_ok, local_spec, run_cluster, run_single
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+ENV = {"PYTHONPATH": ROOT}
+TRAIN = ["-m", "distrib_tf.train"]
+
+
+def _summary(model_dir):
+    with open(os.path.join(model_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("model, dataset, chance", [("cnn", "shapes", 0.1), ("transformer", "tokens", 0.25)])
+def test_offline_default_trains_and_beats_chance(tmp_path, model, dataset, chance):
+    model_dir = tmp_path / "run"
+    result = run_single([*TRAIN, f"--model={model}", "--epochs=2", "--steps_per_epoch=60",
+                         f"--model_dir={model_dir}"], env=ENV, timeout=300)
+    check_ok([result])
+    summary = _summary(model_dir)
+    assert summary["config"]["dataset"] == dataset
+    assert summary["strategy"] == "OneDeviceStrategy" and summary["replicas"] == 1
+    assert [e["epoch"] for e in summary["epochs"]] == [1, 2]
+    assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(summary["epochs"][0])
+    assert summary["final"]["accuracy"] > 2.5 * chance, summary["final"]
+    assert summary["examples_per_second"] > 0 and summary["wall_seconds"] > 0
+    assert f"final accuracy {summary['final']['accuracy']:.4f}" in result.output
+    assert sorted(os.listdir(model_dir)) == ["checkpoints", "logs", "summary.json"]  # backup/ removed on success
+    assert os.stat(model_dir).st_mode & 0o777 == 0o700
+
+
+@pytest.mark.multiworker
+def test_two_workers_write_one_summary(tmp_path):
+    model_dir = tmp_path / "run"
+    results = check_ok(run_cluster([*TRAIN, "--epochs=2", "--steps_per_epoch=20", f"--model_dir={model_dir}"],
+                                   spec=local_spec(2), env=ENV, timeout=300))
+    summary = _summary(model_dir)
+    assert summary["workers"] == 2 and summary["replicas"] == 2
+    assert summary["strategy"] == "MultiWorkerMirroredStrategy"
+    assert "final accuracy" in results[0].output and "final accuracy" not in results[1].output
+    assert "[worker:1] epoch 2/2" in results[1].output
+    assert sorted(os.listdir(model_dir / "checkpoints")) == ["epoch001.weights.h5", "epoch002.weights.h5"]
+
+
+def test_killed_run_resumes_from_backup(tmp_path):
+    args = [sys.executable, *TRAIN, "--epochs=3", "--steps_per_epoch=40", f"--model_dir={tmp_path}"]
+    env = {**os.environ, **QUIET_TF, **ENV}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    metadata = tmp_path / "backup" / "training_metadata.json"
+    deadline = time.monotonic() + 180
+    while not metadata.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert metadata.exists(), "no backup written before the deadline"
+    done = json.loads(metadata.read_text())["epoch"]
+    assert done in (1, 2)
+    check_ok([run_single(args[1:], env=ENV, timeout=300)])
+    summary = _summary(tmp_path)
+    assert [e["epoch"] for e in summary["epochs"]] == list(range(done + 1, 4))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model=resnet"], "Invalid value for `--model`. Received: 'resnet'. Expected one of cnn, transformer."),
+    (["--dataset=imagenet"], "Invalid value for `--dataset`. Received: 'imagenet'."),
+    (["--dataset=tokens"], "Invalid value for `--dataset`. Received: 'tokens'. Expected a dataset of images for --model=cnn."),
+    (["--epochs=0"], "Invalid value for `--epochs`. Received: 0. Expected a positive integer."),
+    (["--epochs=three"], "flag --epochs=three: invalid literal for int() with base 10: 'three'"),
+    (["--global_batch_size=-8"], "Invalid value for `--global_batch_size`. Received: -8."),
+    (["--global_batch_size=65", "--cpu_replicas=2"], "Received: 65. Expected a multiple of the 2 replicas, such as 64."),
+    (["--mixed_precision=int8"], "Invalid value for `--mixed_precision`. Received: 'int8'. Expected one of off, bfloat16, float16."),
+    (["--strategy=tpu"], "Invalid value for `--strategy`. Received: 'tpu'."),
+    (["--learning_rate=0"], "Invalid value for `--learning_rate`. Received: 0.0. Expected a number > 0."),
+    (["--no_such_flag=1"], "Unknown command line flag 'no_such_flag'"),
+    (["--dataset=mnist", "--data_dir=/nonexistent"], "Dataset 'mnist' is not prepared in data_dir=/nonexistent"),
+])
+def test_bad_flags_exit_2_with_one_line(tmp_path, flags, message):
+    model_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, *TRAIN, *flags, f"--model_dir={model_dir}"],
+                            env={**os.environ, **QUIET_TF, **ENV}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("distrib-tf-train: error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not model_dir.exists()
