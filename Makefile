@@ -15,7 +15,8 @@ $(STAMP): setup.cfg pyproject.toml
 install: $(STAMP)
 
 train: $(STAMP)
-	$(PY) -m distrib_tf.train --model=cnn --model_dir=runs/cnn
+	$(PY) -m distrib_tf.launch --cluster_spec=cluster_specs/local_2workers.json \
+	    -- $(PY) -m distrib_tf.train --model=cnn --model_dir=runs/cnn
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=10

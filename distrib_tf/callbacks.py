@@ -40,7 +40,7 @@ class EpochLine(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted((logs or {}).items()))
-        print(f"[{self.task}] epoch {epoch + 1}/{self.epochs} {metrics}", flush=True)
+        print(f"{self.task} epoch {epoch + 1}/{self.epochs} {metrics}", flush=True)
 
 
 def make_callbacks(model_dir: str, *, task: str, is_chief: bool, epochs: int,

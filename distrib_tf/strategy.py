@@ -18,6 +18,7 @@ strategy and logical CPU devices are configured when the runtime starts.
 
 import dataclasses
 import logging
+import os
 
 import tensorflow as tf
 from tensorflow.python.eager import context as _context
@@ -29,6 +30,7 @@ logger = logging.getLogger("distrib_tf")
 
 KINDS = ("auto", "one_device", "mirrored", "multi_worker")
 COMMUNICATIONS = ("auto", "ring", "nccl")
+TIMEOUT_ENV = "DISTRIB_TF_COLLECTIVE_TIMEOUT"  # Set by `distrib_tf.launch --collective_timeout`.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,14 @@ class StrategyOptions:
             _raise("timeout_seconds", self.timeout_seconds, "a number of seconds > 0, or None")
 
 
+def _float_from_env(name):
+    try:
+        return float(os.environ[name])
+    except ValueError as e:
+        raise ValueError(f"Invalid value for environment variable `{name}`. Received: "
+                         f"{os.environ[name]!r}. Expected a number of seconds.") from e
+
+
 def _raise(name, value, expected):
     raise ValueError(
         f"Invalid value for argument `{name}`. Received: {name}={value!r}. "
@@ -99,7 +109,8 @@ def make_strategy(
         communication: `"auto"`, `"ring"` or `"nccl"` all-reduce.
         bytes_per_pack: multi-worker gradient packing, in bytes (0: TensorFlow's).
         timeout_seconds: multi-worker collective timeout; a lost peer then
-            surfaces as an error after this long instead of a hang.
+            surfaces as an error after this long instead of a hang. Default: the
+            `DISTRIB_TF_COLLECTIVE_TIMEOUT` environment variable, else none.
 
     Returns:
         The strategy. Build and compile Keras models under `strategy.scope()`.
@@ -118,6 +129,8 @@ def make_strategy(
         ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         ...     model.compile(optimizer="sgd", loss="mse")
     """
+    if timeout_seconds is None and os.environ.get(TIMEOUT_ENV):
+        timeout_seconds = _float_from_env(TIMEOUT_ENV)
     options = StrategyOptions(
         kind=kind,
         cpu_replicas=cpu_replicas,

@@ -24,6 +24,7 @@ import time
 
 from absl import app
 from absl import flags
+from absl import logging as absl_logging
 
 from distrib_tf import cluster
 from distrib_tf.models import MODELS
@@ -253,6 +254,7 @@ def _parse_flags(argv):
 
 
 def main(argv):
+    absl_logging.set_verbosity(absl_logging.WARNING)  # TensorFlow's INFO lines drown the progress.
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; flags look like --epochs=3")
     try:

@@ -1,0 +1,324 @@
+"""Start the tasks of a cluster spec on this host and keep the job alive through failures.
+
+Usage:
+
+    python -m distrib_tf.launch --cluster_spec=PATH [--task=TYPE:INDEX]
+        [--max_restarts=N] [--log_dir=DIR] [--gpus_per_task=N]
+        [--collective_timeout=SECONDS] [--grace_period=SECONDS] -- COMMAND ...
+
+Every task of the spec whose host is an address of this machine is started (or only the
+one named by `--task`: one launcher per host on several hosts), each with:
+
+- `TF_CONFIG`: the spec with `:0` ports replaced by free ports (the same for every task
+  of one attempt; new ones for each restart) and the task's own type and index;
+- `CUDA_VISIBLE_DEVICES`, with `--gpus_per_task=N`: the N GPUs of its local slot;
+- `DISTRIB_TF_COLLECTIVE_TIMEOUT`, with `--collective_timeout`: `make_strategy()`
+  then fails a stuck all-reduce after that many seconds instead of hanging.
+
+Output is prefixed line by line (`[worker:1] ...`) and, with `--log_dir`, also written
+to one file per task (`worker_1.log`, appended across restarts).
+
+Failures: when a task exits non-zero or is killed, the others are stopped (SIGTERM,
+then SIGKILL after `--grace_period`: multi-worker TensorFlow can ignore SIGTERM) and,
+while restarts remain, the group starts again; the job resumes from its backup. The
+root cause is reported: the task that failed first, its exit code or signal, and its
+last lines of output. Ctrl-C or SIGTERM stops the whole group. If the launcher itself
+is killed, the kernel kills its tasks (Linux parent-death signal).
+
+Exit codes: 0 every task succeeded; 1 a task failed and no restarts remain; 2 bad
+input (nothing started); 130 interrupted by Ctrl-C or SIGTERM.
+
+This module imports no TensorFlow.
+"""
+
+import argparse
+import collections
+import ctypes
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from distrib_tf.cluster import ClusterSpec
+from distrib_tf.cluster import Task
+from distrib_tf.cluster import parse_task
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+TAIL_LINES = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """What to start and how; validated by `config_from_args`."""
+
+    spec: ClusterSpec
+    tasks: tuple[Task, ...]
+    command: tuple[str, ...]
+    max_restarts: int = 0
+    log_dir: str | None = None
+    gpus_per_task: int = 0
+    collective_timeout: float | None = None
+    grace_period: float = 10.0
+
+
+@dataclasses.dataclass
+class TaskExit:
+    task: Task
+    returncode: int
+    tail: list[str]
+
+    def describe(self) -> str:
+        if self.returncode < 0:
+            how = f"was killed by {signal.Signals(-self.returncode).name}"
+        else:
+            how = f"exited with code {self.returncode}"
+        return f"{self.task} {how}"
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    """How a launch ended: the exit code and, on failure, the first task that failed."""
+
+    exit_code: int
+    attempts: int
+    first_failure: TaskExit | None = None
+
+    def is_failed(self) -> bool:
+        return self.exit_code != EXIT_OK
+
+
+def task_env(config: LaunchConfig, spec: ClusterSpec, task: Task, slot: int,
+             base_env: dict[str, str]) -> dict[str, str]:
+    """The environment of `task`, the `slot`-th task started on this host. Pure."""
+    env = {**base_env, "TF_CONFIG": spec.tf_config(task), "PYTHONUNBUFFERED": "1"}
+    if config.gpus_per_task:
+        first = slot * config.gpus_per_task
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(
+            str(i) for i in range(first, first + config.gpus_per_task))
+    if config.collective_timeout:
+        env["DISTRIB_TF_COLLECTIVE_TIMEOUT"] = str(config.collective_timeout)
+    return env
+
+
+def _die_with_parent():
+    """In the child: ask Linux to SIGKILL it when the launcher dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class _Group:
+    """The running tasks of one attempt, with their output pumps."""
+
+    def __init__(self, config: LaunchConfig, spec: ClusterSpec, out_lock: threading.Lock):
+        self.procs: dict[Task, subprocess.Popen] = {}
+        self.tails: dict[Task, collections.deque] = {}
+        self.pumps: list[threading.Thread] = []
+        for slot, task in enumerate(config.tasks):
+            proc = subprocess.Popen(
+                config.command, env=task_env(config, spec, task, slot, dict(os.environ)),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=_die_with_parent,
+            )
+            self.procs[task] = proc
+            self.tails[task] = collections.deque(maxlen=TAIL_LINES)
+            log = None
+            if config.log_dir:
+                log = open(os.path.join(config.log_dir, f"{task.type}_{task.index}.log"), "a",
+                           encoding="utf-8")
+            pump = threading.Thread(target=self._pump, args=(task, proc, log, out_lock), daemon=True)
+            pump.start()
+            self.pumps.append(pump)
+            _say(f"started {task} (pid {proc.pid}) at {spec.address(task)}", out_lock)
+
+    def _pump(self, task, proc, log, out_lock):
+        prefix = f"[{task}] "
+        for line in iter(proc.stdout.readline, b""):
+            text = line.decode("utf-8", "replace").rstrip("\n")
+            self.tails[task].append(text)
+            with out_lock:
+                sys.stdout.write(prefix + text + "\n")
+                sys.stdout.flush()
+            if log:
+                log.write(text + "\n")
+                log.flush()
+        if log:
+            log.close()
+
+    def first_exit(self) -> TaskExit | None:
+        """The first task found failed, else `None`; all done is `returncode` 0."""
+        codes = {task: proc.poll() for task, proc in self.procs.items()}
+        for task, code in codes.items():
+            if code not in (None, 0):
+                return TaskExit(task, code, [])
+        if all(code == 0 for code in codes.values()):
+            return TaskExit(next(iter(codes)), 0, [])
+        return None
+
+    def stop(self, grace_period: float):
+        """SIGTERM every live task's process group; SIGKILL what is left after the grace."""
+        for proc in self.procs.values():
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_period
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs.values():
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+
+    def finish(self, failure: TaskExit | None) -> TaskExit | None:
+        for pump in self.pumps:
+            pump.join(timeout=5)
+        if failure is not None:
+            failure.tail = list(self.tails[failure.task])
+        return failure
+
+
+def _signal_group(proc: subprocess.Popen, sig: int):
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _say(message: str, out_lock: threading.Lock):
+    with out_lock:
+        sys.stdout.write(f"[launcher] {message}\n")
+        sys.stdout.flush()
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def run(config: LaunchConfig) -> LaunchResult:
+    """Runs the job to success, or until restarts are exhausted or it is interrupted."""
+    out_lock = threading.Lock()
+    if config.log_dir:
+        os.makedirs(config.log_dir, exist_ok=True)
+
+    def interrupt(signum, frame):
+        raise _Interrupted(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    first_failure = None
+    attempt = 0
+    try:
+        for attempt in range(1, config.max_restarts + 2):
+            group = None
+            try:
+                spec = config.spec.with_free_ports()
+                group = _Group(config, spec, out_lock)
+                while (ended := group.first_exit()) is None:
+                    time.sleep(0.1)
+            except _Interrupted as e:
+                _say(f"{e}: stopping every task", out_lock)
+                if group is not None:
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                    group.stop(config.grace_period)
+                    group.finish(None)
+                return LaunchResult(EXIT_INTERRUPTED, attempt, first_failure)
+            if ended.returncode == 0:
+                group.finish(None)
+                _say(f"every task succeeded (attempt {attempt})", out_lock)
+                return LaunchResult(EXIT_OK, attempt, first_failure)
+            group.stop(config.grace_period)
+            failure = group.finish(ended)
+            first_failure = first_failure or failure
+            _report(failure, attempt, config.max_restarts, out_lock)
+        return LaunchResult(EXIT_FAILED, attempt, first_failure)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _report(failure: TaskExit, attempt: int, max_restarts: int, out_lock):
+    restarts_left = max_restarts + 1 - attempt
+    next_step = (f"restarting the group ({restarts_left} restart(s) left)" if restarts_left
+                 else f"giving up after {attempt} attempt(s)")
+    lines = "\n".join(f"[launcher]   {line}" for line in failure.tail[-10:])
+    _say(f"attempt {attempt}: {failure.describe()} first; {next_step}. Its last lines:\n{lines}",
+         out_lock)
+
+
+# Command line -------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        print(f"distrib-tf-launch: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = _Parser(
+        prog="distrib-tf-launch", description="Start the tasks of a cluster spec on this host.",
+        epilog="Example: python -m distrib_tf.launch --cluster_spec=cluster_specs/"
+               "local_2workers.json -- python -m distrib_tf.train")
+    parser.add_argument("--cluster_spec", required=True, help="JSON spec file")
+    parser.add_argument("--task", help="start only this task, TYPE:INDEX")
+    parser.add_argument("--max_restarts", type=int, default=0)
+    parser.add_argument("--log_dir")
+    parser.add_argument("--gpus_per_task", type=int, default=0)
+    parser.add_argument("--collective_timeout", type=float)
+    parser.add_argument("--grace_period", type=float, default=10.0)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
+    return parser.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> LaunchConfig:
+    """Validates the arguments; raises `ValueError` with one line on bad input."""
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise ValueError("Missing command. Expected `-- COMMAND ...` after the options, "
+                         "for example `-- python -m distrib_tf.train`.")
+    if shutil.which(command[0]) is None:
+        raise ValueError(f"Invalid value for `COMMAND`. Received: {command[0]!r}. "
+                         "Expected a program on PATH or a path to an executable.")
+    for name in ("max_restarts", "gpus_per_task"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"Invalid value for `--{name}`. Received: {getattr(args, name)}. "
+                             "Expected an integer >= 0.")
+    if args.collective_timeout is not None and not args.collective_timeout > 0:
+        raise ValueError(f"Invalid value for `--collective_timeout`. Received: "
+                         f"{args.collective_timeout}. Expected a number of seconds > 0.")
+    spec = ClusterSpec.from_file(args.cluster_spec)
+    if args.task:
+        tasks = (spec.check_task(parse_task(args.task)),)
+    else:
+        tasks = spec.local_tasks()
+        if not tasks:
+            raise ValueError(
+                f"No task of {args.cluster_spec} lives on this host: none of its addresses "
+                "is an address of this machine. Pass --task=TYPE:INDEX to name this host's task.")
+    return LaunchConfig(spec=spec, tasks=tasks, command=tuple(command),
+                        max_restarts=args.max_restarts, log_dir=args.log_dir,
+                        gpus_per_task=args.gpus_per_task,
+                        collective_timeout=args.collective_timeout,
+                        grace_period=args.grace_period)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:  # ClusterSpecError included.
+        print(f"distrib-tf-launch: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    result = run(config)
+    if result.exit_code == EXIT_FAILED:
+        print(f"distrib-tf-launch: job failed after {result.attempts} attempt(s); first "
+              f"failure: {result.first_failure.describe()}", file=sys.stderr)
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

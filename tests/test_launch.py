@@ -1,0 +1,181 @@
+"""The launcher: bad input, real 2- and 4-worker jobs, failures, restarts, signals."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cluster_runner import QUIET_TF
+from distrib_tf import launch
+from distrib_tf.cluster import ClusterSpec
+from distrib_tf.cluster import Task
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+SPECS = os.path.join(ROOT, "cluster_specs")
+ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
+LAUNCH = [sys.executable, "-m", "distrib_tf.launch"]
+
+
+def launch_cmd(spec, *command, options=()):
+    return [*LAUNCH, f"--cluster_spec={os.path.join(SPECS, spec)}", *options, "--", *command]
+
+
+def run_launch(args, timeout=300):
+    return subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def test_task_env_is_pure_and_complete():
+    spec = ClusterSpec.from_dict({"cluster": {"worker": ["127.0.0.1:5000", "127.0.0.1:5001"]}})
+    config = launch.LaunchConfig(spec=spec, tasks=spec.tasks, command=("true",), gpus_per_task=2,
+                                 collective_timeout=7.5)
+    env = launch.task_env(config, spec, Task("worker", 1), 1, {"PATH": "/bin"})
+    assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": 1}
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["DISTRIB_TF_COLLECTIVE_TIMEOUT"] == "7.5" and env["PATH"] == "/bin"
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "the following arguments are required: --cluster_spec"),
+    (["--cluster_spec=/nonexistent.json", "--", "true"], "Cannot read cluster spec /nonexistent.json"),
+    ([f"--cluster_spec={SPECS}/local_2workers.json"], "Missing command."),
+    ([f"--cluster_spec={SPECS}/local_2workers.json", "--", "no-such-program"], "Received: 'no-such-program'. Expected a program on PATH"),
+    ([f"--cluster_spec={SPECS}/local_2workers.json", "--task=worker", "--", "true"], "Invalid value for `task` in --task. Received: 'worker'"),
+    ([f"--cluster_spec={SPECS}/local_2workers.json", "--task=chief:0", "--", "true"], "Invalid value for `task.type`"),
+    ([f"--cluster_spec={SPECS}/local_2workers.json", "--task=worker:2", "--", "true"], "Expected an index from 0 to 1"),
+    ([f"--cluster_spec={SPECS}/two_hosts.json", "--", "true"], "No task of"),
+    ([f"--cluster_spec={SPECS}/local_2workers.json", "--max_restarts=-1", "--", "true"], "Invalid value for `--max_restarts`. Received: -1"),
+    ([f"--cluster_spec={SPECS}/local_2workers.json", "--collective_timeout=0", "--", "true"], "Invalid value for `--collective_timeout`"),
+])
+def test_bad_input_exits_2_with_one_line_and_starts_nothing(args, message):
+    result = run_launch([*LAUNCH, *args], timeout=30)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert result.stdout == ""  # Nothing started.
+
+
+@pytest.mark.multiworker
+def test_two_workers_train_through_the_launcher(tmp_path):
+    result = run_launch(launch_cmd("local_2workers.json", sys.executable, "-m", "distrib_tf.train",
+                                   "--epochs=1", "--steps_per_epoch=20", f"--model_dir={tmp_path}/run",
+                                   options=[f"--log_dir={tmp_path}/logs"]))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert re.search(r"^\[worker:0\] final accuracy", result.stdout, re.M)
+    assert re.search(r"^\[worker:1\] worker:1 epoch 1/1", result.stdout, re.M)
+    with open(tmp_path / "run" / "summary.json") as f:
+        assert json.load(f)["workers"] == 2
+    assert sorted(os.listdir(tmp_path / "logs")) == ["worker_0.log", "worker_1.log"]
+
+
+@pytest.mark.multiworker
+def test_four_workers_form_one_cluster():
+    script = os.path.join(ROOT, "tests", "workers", "describe.py")
+    result = run_launch(launch_cmd("local_4workers.json", sys.executable, script))
+    assert result.returncode == 0, result.stdout[-3000:]
+    for index in range(4):
+        assert re.search(rf"^\[worker:{index}\] .*MultiWorkerMirroredStrategy: 4 replica\(s\) on 4 worker\(s\)",
+                         result.stdout, re.M)
+
+
+def test_task_failing_at_start_is_named_quickly():
+    started = time.monotonic()
+    result = run_launch(launch_cmd("local_2workers.json", sys.executable, "-c",
+                                   "import json, os, sys; t = json.loads(os.environ['TF_CONFIG'])['task'];"
+                                   "print('boom from', t['index']); sys.exit(3 if t['index'] == 1 else 0)",
+                                   options=["--grace_period=1"]), timeout=60)
+    assert time.monotonic() - started < 20
+    assert result.returncode == 1
+    assert "worker:1 exited with code 3 first; giving up after 1 attempt(s)" in result.stdout
+    assert "[launcher]   boom from 1" in result.stdout
+    assert "first failure: worker:1 exited with code 3" in result.stderr
+
+
+def test_restarts_exhausted_is_a_clear_failure():
+    result = run_launch(launch_cmd("local_1worker.json", sys.executable, "-c", "import sys; sys.exit(4)",
+                                   options=["--max_restarts=2", "--grace_period=1"]), timeout=60)
+    assert result.returncode == 1
+    assert result.stdout.count("exited with code 4 first") == 3
+    assert "restarting the group (2 restart(s) left)" in result.stdout
+    assert "job failed after 3 attempt(s)" in result.stderr
+
+
+def _pids(stdout):
+    return [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", stdout)]
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def _start_sleepers(out):
+    proc = subprocess.Popen(
+        launch_cmd("local_2workers.json", sys.executable, "-c",
+                   "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)",
+                   options=["--grace_period=2"]),
+        env=ENV, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        out.seek(0)
+        text = out.read()
+        if text.count("] up") == 2:
+            return proc, _pids(text)
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"tasks did not start: {text}")
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130)])
+def test_interrupt_stops_every_task_even_those_ignoring_sigterm(tmp_path, sig, code):
+    with open(tmp_path / "launcher.out", "w+") as out:
+        proc, pids = _start_sleepers(out)
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == code
+    assert not any(_alive(p) for p in pids)
+
+
+def test_killed_launcher_leaves_no_task_running(tmp_path):
+    with open(tmp_path / "launcher.out", "w+") as out:
+        proc, pids = _start_sleepers(out)
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+@pytest.mark.multiworker
+def test_killed_worker_is_restarted_and_the_job_resumes(tmp_path):
+    model_dir = tmp_path / "run"
+    with open(tmp_path / "launcher.out", "w+") as out:
+        proc = subprocess.Popen(
+            launch_cmd("local_2workers.json", sys.executable, "-m", "distrib_tf.train", "--epochs=3",
+                       "--steps_per_epoch=40", f"--model_dir={model_dir}",
+                       options=["--max_restarts=1", "--grace_period=3", "--collective_timeout=20"]),
+            env=ENV, stdout=out, stderr=subprocess.STDOUT)
+        metadata = model_dir / "backup" / "training_metadata.json"
+        deadline = time.monotonic() + 240
+        while not metadata.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert metadata.exists(), "no backup before the deadline"
+        time.sleep(1.0)  # In the middle of the next epoch.
+        out.seek(0)
+        os.kill(_pids(out.read())[1], signal.SIGKILL)
+        done = json.loads(metadata.read_text())["epoch"]
+        assert proc.wait(timeout=300) == 0
+        out.seek(0)
+        text = out.read()
+    assert "worker:1 was killed by SIGKILL first; restarting the group (1 restart(s) left)" in text
+    with open(model_dir / "summary.json") as f:
+        epochs = [e["epoch"] for e in json.load(f)["epochs"]]
+    assert epochs and epochs[0] >= done + 1 and epochs[-1] == 3, (done, epochs)
