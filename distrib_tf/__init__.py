@@ -24,11 +24,15 @@ __all__ = [
     "load_tf_config",
     "make_strategy",
     "describe_strategy",
+    "TrainConfig",
+    "train_and_evaluate",
 ]
 
 _LAZY = {
     "make_strategy": "distrib_tf.strategy",
     "describe_strategy": "distrib_tf.strategy",
+    "TrainConfig": "distrib_tf.train",
+    "train_and_evaluate": "distrib_tf.train",
 }
 
 _logger = logging.getLogger("distrib_tf")

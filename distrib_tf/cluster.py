@@ -47,6 +47,15 @@ def _invalid(field: str, source: str, received: Any, expected: str) -> ClusterSp
     )
 
 
+def _parse_json(text: str, source: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ClusterSpecError(
+            f"Invalid JSON in {source} at line {e.lineno} column {e.colno}: {e.msg}."
+        ) from e
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class Task:
     """One task of a cluster: its job name and its index in that job."""
@@ -188,13 +197,7 @@ class ClusterSpec:
                 f"Cannot read cluster spec {source}: {e.strerror or e}. "
                 "Expected a readable JSON file."
             ) from e
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ClusterSpecError(
-                f"Invalid JSON in {source} at line {e.lineno} column {e.colno}: {e.msg}."
-            ) from e
-        return cls.from_dict(data, source=source)
+        return cls.from_dict(_parse_json(text, source), source=source)
 
     @property
     def tasks(self) -> tuple[Task, ...]:
@@ -303,12 +306,7 @@ def load_tf_config(environ: Mapping[str, str] | None = None) -> tuple[ClusterSpe
     if not text:
         return None
     source = "TF_CONFIG"
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ClusterSpecError(
-            f"Invalid JSON in TF_CONFIG at column {e.colno}: {e.msg}. Received: {text[:80]!r}."
-        ) from e
+    data = _parse_json(text, source)
     if isinstance(data, dict) and not data.get("cluster") and "task" not in data:
         return None
     spec = ClusterSpec.from_dict(data, source=source)

@@ -220,19 +220,23 @@ def train_and_evaluate(config: TrainConfig, model_dir: str) -> dict:
 # Command line -------------------------------------------------------------------------
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "cnn", f"Model: {', '.join(MODELS)}.")
-flags.DEFINE_string("dataset", "", "Dataset (default: the model's offline default).")
-flags.DEFINE_string("data_dir", None, "Where TFDS data was prepared.")
-flags.DEFINE_integer("epochs", 3, "Epochs to train.")
-flags.DEFINE_integer("global_batch_size", 64, "Batch size over all replicas.")
-flags.DEFINE_float("learning_rate", 1e-3, "Adam learning rate.")
-flags.DEFINE_string("model_dir", None, "Output directory (default: runs/MODEL).")
-flags.DEFINE_string("strategy", "auto", "auto, one_device, mirrored or multi_worker.")
-flags.DEFINE_integer("cpu_replicas", None, "Split the CPU into this many replicas.")
-flags.DEFINE_string("mixed_precision", "off", "off, bfloat16 or float16.")
-flags.DEFINE_integer("seed", 0, "Random seed.")
-flags.DEFINE_integer("steps_per_epoch", None, "Steps per epoch (default: one pass).")
-flags.DEFINE_float("collective_timeout", None, "Seconds before a stuck all-reduce fails.")
+
+
+def define_flags():
+    """Defines the job's flags; called by the command line only, so imports define none."""
+    flags.DEFINE_string("model", "cnn", f"Model: {', '.join(MODELS)}.")
+    flags.DEFINE_string("dataset", "", "Dataset (default: the model's offline default).")
+    flags.DEFINE_string("data_dir", None, "Where TFDS data was prepared.")
+    flags.DEFINE_integer("epochs", 3, "Epochs to train.")
+    flags.DEFINE_integer("global_batch_size", 64, "Batch size over all replicas.")
+    flags.DEFINE_float("learning_rate", 1e-3, "Adam learning rate.")
+    flags.DEFINE_string("model_dir", None, "Output directory (default: runs/MODEL).")
+    flags.DEFINE_string("strategy", "auto", "auto, one_device, mirrored or multi_worker.")
+    flags.DEFINE_integer("cpu_replicas", None, "Split the CPU into this many replicas.")
+    flags.DEFINE_string("mixed_precision", "off", "off, bfloat16 or float16.")
+    flags.DEFINE_integer("seed", 0, "Random seed.")
+    flags.DEFINE_integer("steps_per_epoch", None, "Steps per epoch (default: one pass).")
+    flags.DEFINE_float("collective_timeout", None, "Seconds before a stuck all-reduce fails.")
 
 
 def config_from_flags() -> TrainConfig:
@@ -271,6 +275,7 @@ def main(argv):
 
 def run():
     """Console script `distrib-tf-train`."""
+    define_flags()
     app.run(main, flags_parser=_parse_flags)
 
 

@@ -40,11 +40,15 @@ def test_offline_default_trains_and_beats_chance(tmp_path, model, dataset, chanc
 
 
 @pytest.mark.multiworker
-def test_two_workers_write_one_summary(tmp_path):
+@pytest.mark.parametrize("model, precision", [("cnn", "off"), ("transformer", "bfloat16")])
+def test_two_workers_write_one_summary(tmp_path, model, precision):
     model_dir = tmp_path / "run"
-    results = check_ok(run_cluster([*TRAIN, "--epochs=2", "--steps_per_epoch=20", f"--model_dir={model_dir}"],
+    results = check_ok(run_cluster([*TRAIN, f"--model={model}", f"--mixed_precision={precision}", "--epochs=2",
+                                    "--steps_per_epoch=20", f"--model_dir={model_dir}"],
                                    spec=local_spec(2), env=ENV, timeout=300))
     summary = _summary(model_dir)
+    assert summary["config"]["mixed_precision"] == precision
+    assert all(v == v for v in summary["final"].values())  # No NaN.
     assert summary["workers"] == 2 and summary["replicas"] == 2
     assert summary["strategy"] == "MultiWorkerMirroredStrategy"
     assert "final accuracy" in results[0].output and "final accuracy" not in results[1].output
