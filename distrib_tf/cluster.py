@@ -319,3 +319,80 @@ def load_tf_config(environ: Mapping[str, str] | None = None) -> tuple[ClusterSpe
     if isinstance(index, bool) or not isinstance(index, int):
         raise _invalid("task.index", source, index, "an integer")
     return spec, spec.check_task(Task(task_type, index))
+
+
+# Slurm --------------------------------------------------------------------------------
+
+SLURM_PORT_BASE = 20000
+SLURM_PORTS_PER_JOB = 16
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Expands a Slurm host list such as `node[01-03,07],login` into host names.
+
+    Example:
+
+        >>> expand_hostlist("node[01-03,07],login")
+        ['node01', 'node02', 'node03', 'node07', 'login']
+    """
+    hosts, item, depth = [], "", 0
+    for char in text + ",":
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            prefix, _, rest = item.partition("[")
+            if not rest:
+                hosts.append(prefix)
+            else:
+                ranges, _, suffix = rest.partition("]")
+                for part in ranges.split(","):
+                    low, _, high = part.partition("-")
+                    for number in range(int(low), int(high or low) + 1):
+                        hosts.append(f"{prefix}{number:0{len(low)}d}{suffix}")
+            item = ""
+        else:
+            item += char
+    return [h for h in hosts if h]
+
+
+def _expand_counts(text: str) -> list[int]:
+    """`2(x3),1` (Slurm's tasks per node) into `[2, 2, 2, 1]`."""
+    counts = []
+    for part in text.split(","):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * int(repeat.rstrip(")") or 1)
+    return counts
+
+
+def load_slurm_cluster(environ: Mapping[str, str] | None = None) -> tuple[ClusterSpec, Task]:
+    """The cluster of a Slurm step and this process's task, from the `SLURM_*` variables.
+
+    Task `i` is Slurm task `i` (`SLURM_PROCID`), a `worker` (worker 0 acts as chief),
+    placed on the nodes block by block as `srun` does by default. Each job gets its own
+    range of ports; a single-node job talks over 127.0.0.1.
+
+    Raises:
+        ClusterSpecError: not inside a Slurm step, or inconsistent variables.
+    """
+    environ = os.environ if environ is None else environ
+    source = "the SLURM_* environment"
+    try:
+        procid, ntasks = int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"])
+        nodes = expand_hostlist(environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"])
+        per_node = _expand_counts(
+            environ.get("SLURM_STEP_TASKS_PER_NODE") or environ["SLURM_TASKS_PER_NODE"])
+        job_id = int(environ.get("SLURM_JOB_ID", "0"))
+    except (KeyError, ValueError) as e:
+        raise ClusterSpecError(
+            f"Invalid value for `{e.args[0] if isinstance(e, KeyError) else 'SLURM_*'}` in {source}. "
+            "Received: missing or malformed. Expected to run inside `srun` (a Slurm job step)."
+        ) from e
+    if len(per_node) != len(nodes) or sum(per_node) != ntasks:
+        raise _invalid("SLURM_STEP_TASKS_PER_NODE", source, per_node,
+                       f"{len(nodes)} counts adding up to SLURM_NTASKS={ntasks}")
+    base = SLURM_PORT_BASE + (job_id % 1000) * SLURM_PORTS_PER_JOB
+    addresses = []
+    for node, count in zip(nodes, per_node):
+        host = "127.0.0.1" if len(nodes) == 1 else node
+        addresses += [f"{host}:{base + local}" for local in range(count)]
+    spec = ClusterSpec({"worker": tuple(addresses)}, source=source)
+    return spec, spec.check_task(Task("worker", procid))

@@ -7,7 +7,9 @@ Usage:
         [--collective_timeout=SECONDS] [--grace_period=SECONDS] -- COMMAND ...
 
 Every task of the spec whose host is an address of this machine is started (or only the
-one named by `--task`: one launcher per host on several hosts), each with:
+one named by `--task`, or the spec's N-th with `--task_ordinal=N`: one launcher per host
+on several hosts; or, with `--slurm` inside `srun`, the task of this Slurm task, its
+cluster read from the `SLURM_*` variables), each with:
 
 - `TF_CONFIG`: the spec with `:0` ports replaced by free ports (the same for every task
   of one attempt; new ones for each restart) and the task's own type and index;
@@ -45,6 +47,7 @@ import time
 
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import Task
+from distrib_tf.cluster import load_slurm_cluster
 from distrib_tf.cluster import parse_task
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -263,8 +266,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="distrib-tf-launch", description="Start the tasks of a cluster spec on this host.",
         epilog="Example: python -m distrib_tf.launch --cluster_spec=cluster_specs/"
                "local_2workers.json -- python -m distrib_tf.train")
-    parser.add_argument("--cluster_spec", required=True, help="JSON spec file")
+    parser.add_argument("--cluster_spec", help="JSON spec file")
     parser.add_argument("--task", help="start only this task, TYPE:INDEX")
+    parser.add_argument("--task_ordinal", type=int,
+                        help="start only the spec's N-th task (chief, workers, evaluator order)")
+    parser.add_argument("--slurm", action="store_true",
+                        help="inside srun: the cluster and this task come from SLURM_*")
     parser.add_argument("--max_restarts", type=int, default=0)
     parser.add_argument("--log_dir")
     parser.add_argument("--gpus_per_task", type=int, default=0)
@@ -272,6 +279,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--grace_period", type=float, default=10.0)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     return parser.parse_args(argv)
+
+
+def _select_tasks(args: argparse.Namespace) -> tuple[ClusterSpec, tuple[Task, ...]]:
+    """The cluster and the tasks this launcher starts, from --slurm, --task, or this host."""
+    if args.slurm:
+        if args.cluster_spec or args.task or args.task_ordinal is not None or args.max_restarts:
+            raise ValueError("Invalid arguments with `--slurm`: the cluster and the task come "
+                             "from SLURM_*, and restarts are Slurm's (`srun --kill-on-bad-exit=1`, "
+                             "requeue). Expected no --cluster_spec, --task, --task_ordinal or "
+                             "--max_restarts.")
+        spec, task = load_slurm_cluster()
+        return spec, (task,)
+    if not args.cluster_spec:
+        raise ValueError("Missing `--cluster_spec`. Expected a JSON spec file, such as "
+                         "--cluster_spec=cluster_specs/local_2workers.json (or --slurm inside srun).")
+    spec = ClusterSpec.from_file(args.cluster_spec)
+    if args.task:
+        return spec, (spec.check_task(parse_task(args.task)),)
+    if args.task_ordinal is not None:
+        if not 0 <= args.task_ordinal < len(spec.tasks):
+            raise ValueError(f"Invalid value for `--task_ordinal`. Received: {args.task_ordinal}. "
+                             f"Expected 0 to {len(spec.tasks) - 1} for the tasks of {spec.source}.")
+        return spec, (spec.tasks[args.task_ordinal],)
+    tasks = spec.local_tasks()
+    if not tasks:
+        raise ValueError(
+            f"No task of {args.cluster_spec} lives on this host: none of its addresses "
+            "is an address of this machine. Pass --task=TYPE:INDEX to name this host's task.")
+    return spec, tasks
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
@@ -290,15 +326,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if args.collective_timeout is not None and not args.collective_timeout > 0:
         raise ValueError(f"Invalid value for `--collective_timeout`. Received: "
                          f"{args.collective_timeout}. Expected a number of seconds > 0.")
-    spec = ClusterSpec.from_file(args.cluster_spec)
-    if args.task:
-        tasks = (spec.check_task(parse_task(args.task)),)
-    else:
-        tasks = spec.local_tasks()
-        if not tasks:
-            raise ValueError(
-                f"No task of {args.cluster_spec} lives on this host: none of its addresses "
-                "is an address of this machine. Pass --task=TYPE:INDEX to name this host's task.")
+    spec, tasks = _select_tasks(args)
     return LaunchConfig(spec=spec, tasks=tasks, command=tuple(command),
                         max_restarts=args.max_restarts, log_dir=args.log_dir,
                         gpus_per_task=args.gpus_per_task,

@@ -40,7 +40,11 @@ def test_task_env_is_pure_and_complete():
 
 
 @pytest.mark.parametrize("args, message", [
-    ([], "the following arguments are required: --cluster_spec"),
+    ([], "Missing command."),
+    (["--", "true"], "Missing `--cluster_spec`."),
+    ([f"--cluster_spec={SPECS}/local_2workers.json", "--task_ordinal=2", "--", "true"], "Invalid value for `--task_ordinal`. Received: 2. Expected 0 to 1"),
+    (["--slurm", "--max_restarts=1", "--", "true"], "Invalid arguments with `--slurm`"),
+    (["--slurm", "--", "true"], "Invalid value for `SLURM_PROCID` in the SLURM_* environment"),
     (["--cluster_spec=/nonexistent.json", "--", "true"], "Cannot read cluster spec /nonexistent.json"),
     ([f"--cluster_spec={SPECS}/local_2workers.json"], "Missing command."),
     ([f"--cluster_spec={SPECS}/local_2workers.json", "--", "no-such-program"], "Received: 'no-such-program'. Expected a program on PATH"),
@@ -179,3 +183,55 @@ def test_killed_worker_is_restarted_and_the_job_resumes(tmp_path):
     with open(model_dir / "summary.json") as f:
         epochs = [e["epoch"] for e in json.load(f)["epochs"]]
     assert epochs and epochs[0] >= done + 1 and epochs[-1] == 3, (done, epochs)
+
+
+@pytest.mark.multiworker
+def test_two_hosts_form_one_cluster(tmp_path):
+    import netns  # pylint: disable=import-outside-toplevel
+
+    reason = netns.available()
+    if reason:
+        pytest.skip(reason)
+    from test_keras_compat import USER_SCRIPT, check_two_worker_run  # pylint: disable=import-outside-toplevel
+
+    with netns.two_hosts() as hosts:
+        spec = tmp_path / "two_hosts.json"
+        spec.write_text(json.dumps({"cluster": {"worker": [f"{address}:23456" for _, address in hosts]}}))
+        out = tmp_path / "out"
+        procs = [
+            subprocess.Popen(["ip", "netns", "exec", name, *LAUNCH, f"--cluster_spec={spec}", "--grace_period=2",
+                              "--", sys.executable, USER_SCRIPT, f"--out={out}", "--epochs=2"],
+                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for name, _ in hosts
+        ]
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    for index, (proc, output) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, output[-3000:]
+        # Each launcher found its own task by its host's address.
+        assert f"started worker:{index} " in output and f"started worker:{1 - index} " not in output
+    check_two_worker_run(out, [])
+
+
+@pytest.mark.multiworker
+def test_two_slurm_tasks_train_under_srun(tmp_path):
+    """Needs a running Slurm (`scripts/slurm_local.sh start DIR`, then SLURM_CONF set).
+
+    Skips without one, except when DISTRIB_TF_REQUIRE_SLURM=1 (CI), where it fails.
+    """
+    import shutil  # pylint: disable=import-outside-toplevel
+
+    ready = shutil.which("srun") and os.environ.get("SLURM_CONF") and subprocess.run(
+        ["sinfo", "-h"], capture_output=True, timeout=20).returncode == 0
+    if not ready:
+        reason = "no Slurm here: start one with scripts/slurm_local.sh (root) and set SLURM_CONF"
+        if os.environ.get("DISTRIB_TF_REQUIRE_SLURM") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    result = run_launch(["srun", "-n", "2", "--kill-on-bad-exit=1", "--time=10", *LAUNCH, "--slurm", "--",
+                         sys.executable, "-m", "distrib_tf.train", "--epochs=1", "--steps_per_epoch=10",
+                         f"--model_dir={tmp_path}/run"], timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "[worker:0] final accuracy" in result.stdout
+    with open(tmp_path / "run" / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["workers"] == 2 and summary["strategy"] == "MultiWorkerMirroredStrategy"

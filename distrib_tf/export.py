@@ -1,0 +1,168 @@
+"""Run the same job on an engine you already have: Kubernetes manifests, Slurm scripts.
+
+Usage:
+
+    python -m distrib_tf.export kubernetes --cluster_spec=PATH --image=IMAGE
+        [--name=NAME] [--port=2222] [--gpus_per_task=N] [--out=FILE] -- COMMAND ...
+    python -m distrib_tf.export slurm --cluster_spec=PATH [--out=FILE] -- COMMAND ...
+
+`kubernetes` writes a ConfigMap holding the spec, a headless Service and an Indexed Job
+with one pod per task of the spec. Pod `i` runs `distrib-tf-launch --task_ordinal=i`:
+the launcher gives it the `TF_CONFIG` of the spec's i-th task, with each task's address
+replaced by its pod's stable DNS name (`NAME-i.NAME:PORT`). `slurm` writes a batch
+script that runs one task per Slurm task through `distrib-tf-launch --slurm`.
+
+This module imports no TensorFlow.
+"""
+
+import argparse
+import json
+import shlex
+import sys
+
+from distrib_tf.cluster import ClusterSpec
+
+EXIT_USAGE = 2
+
+
+def kubernetes_spec(spec: ClusterSpec, *, name: str, port: int) -> ClusterSpec:
+    """The spec as seen inside the cluster: task i lives at `NAME-i.NAME:PORT`."""
+    jobs, ordinal = {}, 0
+    for job, addresses in spec.jobs.items():
+        jobs[job] = tuple(f"{name}-{ordinal + i}.{name}:{port}" for i in range(len(addresses)))
+        ordinal += len(addresses)
+    return ClusterSpec(jobs, source=f"the Kubernetes spec of {spec.source}")
+
+
+def kubernetes_manifests(spec: ClusterSpec, *, name: str, image: str, command: list[str],
+                         port: int = 2222, gpus_per_task: int = 0) -> list[dict]:
+    """ConfigMap, headless Service and Indexed Job for `spec`. Pure."""
+    pod_spec = kubernetes_spec(spec, name=name, port=port)
+    labels = {"app.kubernetes.io/name": name}
+    container = {
+        "name": "task",
+        "image": image,
+        "command": ["distrib-tf-launch", "--cluster_spec=/etc/distrib_tf/spec.json",
+                    "--task_ordinal=$(JOB_COMPLETION_INDEX)", "--", *command],
+        "ports": [{"containerPort": port, "name": "grpc"}],
+        "volumeMounts": [{"name": "spec", "mountPath": "/etc/distrib_tf"}],
+    }
+    if gpus_per_task:
+        container["resources"] = {"limits": {"nvidia.com/gpu": gpus_per_task}}
+    tasks = len(spec.tasks)
+    return [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "labels": labels},
+         "data": {"spec.json": json.dumps(pod_spec.to_dict(), indent=2)}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels},
+         "spec": {"clusterIP": "None", "selector": labels, "ports": [{"port": port, "name": "grpc"}]}},
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": labels},
+         "spec": {
+             "completionMode": "Indexed", "completions": tasks, "parallelism": tasks,
+             "backoffLimit": 0,
+             "template": {
+                 "metadata": {"labels": labels},
+                 "spec": {"subdomain": name, "restartPolicy": "Never", "containers": [container],
+                          "volumes": [{"name": "spec", "configMap": {"name": name}}]},
+             },
+         }},
+    ]
+
+
+def to_yaml(value, indent: int = 0) -> str:
+    """A small YAML writer for dicts, lists, strings, numbers and booleans."""
+    pad = "  " * indent
+    if isinstance(value, dict):
+        lines = []
+        for key, item in value.items():
+            if isinstance(item, (dict, list)) and item:
+                lines.append(f"{pad}{key}:\n{to_yaml(item, indent + 1)}")
+            else:
+                lines.append(f"{pad}{key}: {_scalar(item)}")
+        return "\n".join(lines)
+    if isinstance(value, list):
+        lines = []
+        for item in value:
+            if isinstance(item, (dict, list)) and item:
+                body = to_yaml(item, indent + 1)
+                lines.append(f"{pad}- {body.lstrip()}")
+            else:
+                lines.append(f"{pad}- {_scalar(item)}")
+        return "\n".join(lines)
+    return pad + _scalar(value)
+
+
+def _scalar(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if value in ({}, []):
+        return json.dumps(value)
+    return json.dumps(str(value))  # A JSON string is a valid YAML double-quoted scalar.
+
+
+def slurm_script(spec: ClusterSpec, *, command: list[str], job_name: str = "distrib_tf") -> str:
+    """An `sbatch` script running one Slurm task per training task of `spec`."""
+    tasks = spec.num_workers
+    return "\n".join([
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --ntasks={tasks}",
+        "#SBATCH --cpus-per-task=1",
+        "#SBATCH --output=%x-%j.out",
+        "# One TensorFlow task per Slurm task; TF_CONFIG comes from the SLURM_* variables.",
+        "# --kill-on-bad-exit stops every task when one fails; requeue to resume from backup/.",
+        "srun --kill-on-bad-exit=1 distrib-tf-launch --slurm -- " + shlex.join(command),
+        "",
+    ])
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        print(f"distrib-tf-export: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog="python -m distrib_tf.export")
+    engines = parser.add_subparsers(dest="engine", required=True, parser_class=_Parser)
+    kube = engines.add_parser("kubernetes")
+    kube.add_argument("--image", required=True)
+    kube.add_argument("--name", default="distrib-tf")
+    kube.add_argument("--port", type=int, default=2222)
+    kube.add_argument("--gpus_per_task", type=int, default=0)
+    slurm = engines.add_parser("slurm")
+    slurm.add_argument("--job_name", default="distrib_tf")
+    for engine in (kube, slurm):
+        engine.add_argument("--cluster_spec", required=True)
+        engine.add_argument("--out")
+        engine.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        if not command:
+            raise ValueError("Missing command. Expected `-- COMMAND ...`, for example "
+                             "`-- python -m distrib_tf.train`.")
+        spec = ClusterSpec.from_file(args.cluster_spec)
+        if args.engine == "kubernetes":
+            if not 0 < args.port < 65536:
+                raise ValueError(f"Invalid value for `--port`. Received: {args.port}. "
+                                 "Expected a port number from 1 to 65535.")
+            text = "\n---\n".join(to_yaml(m) for m in kubernetes_manifests(
+                spec, name=args.name, image=args.image, command=command, port=args.port,
+                gpus_per_task=args.gpus_per_task)) + "\n"
+        else:
+            text = slurm_script(spec, command=command, job_name=args.job_name)
+    except ValueError as e:
+        print(f"distrib-tf-export: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

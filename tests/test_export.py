@@ -1,0 +1,79 @@
+"""Kubernetes manifests and Slurm scripts: they parse, and every pod gets the launcher's TF_CONFIG."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from distrib_tf import export
+from distrib_tf import launch
+from distrib_tf.cluster import ClusterSpec
+from distrib_tf.cluster import expand_hostlist
+from distrib_tf.cluster import load_slurm_cluster
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+SPEC = os.path.join(ROOT, "cluster_specs", "local_chief_2workers.json")
+
+
+def _export(*args):
+    return subprocess.run([sys.executable, "-m", "distrib_tf.export", *args], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=30)
+
+
+def test_kubernetes_manifests_parse_and_pods_get_the_launchers_tf_config(tmp_path):
+    result = _export("kubernetes", f"--cluster_spec={SPEC}", "--image=registry.example/job:1",
+                     "--name=mnist", "--", "python", "-m", "distrib_tf.train", "--epochs=5")
+    assert result.returncode == 0, result.stderr
+    config_map, service, job = list(yaml.safe_load_all(result.stdout))
+    assert service["spec"]["clusterIP"] == "None"
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 3
+    pod = job["spec"]["template"]["spec"]
+    assert pod["subdomain"] == service["metadata"]["name"] == "mnist"
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(config_map["data"]["spec.json"])
+    expected = ClusterSpec.from_dict({"cluster": {
+        "chief": ["mnist-0.mnist:2222"], "worker": ["mnist-1.mnist:2222", "mnist-2.mnist:2222"]}})
+    command = pod["containers"][0]["command"]
+    assert command[0] == "distrib-tf-launch" and command[-4:] == ["python", "-m", "distrib_tf.train", "--epochs=5"]
+    for index, task in enumerate(expected.tasks):
+        # What Kubernetes runs in pod `index`: $(JOB_COMPLETION_INDEX) expanded, the spec mounted.
+        args = [a.replace("$(JOB_COMPLETION_INDEX)", str(index))
+                 .replace("/etc/distrib_tf/spec.json", str(spec_file)) for a in command[1:]]
+        config = launch.config_from_args(launch.parse_args(args))
+        assert config.tasks == (task,)
+        env = launch.task_env(config, config.spec.with_free_ports(), task, 0, {})
+        assert json.loads(env["TF_CONFIG"]) == json.loads(expected.tf_config(task))
+
+
+def test_slurm_script_and_cluster_from_slurm_variables():
+    result = _export("slurm", f"--cluster_spec={SPEC}", "--", "python", "-m", "distrib_tf.train")
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --ntasks=3" in result.stdout
+    assert "srun --kill-on-bad-exit=1 distrib-tf-launch --slurm -- python -m distrib_tf.train" in result.stdout
+    environ = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "1234",
+               "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+    spec, task = load_slurm_cluster(environ)
+    assert str(task) == "worker:3"
+    assert spec.jobs["worker"] == ("gpu07:23744", "gpu07:23745", "gpu08:23744", "gpu08:23745")
+    one_node = {**environ, "SLURM_STEP_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "4"}
+    assert load_slurm_cluster(one_node)[0].jobs["worker"][0] == "127.0.0.1:23744"
+
+
+def test_expand_hostlist():
+    assert expand_hostlist("node[01-03,07],login,a[8-10]b") == [
+        "node01", "node02", "node03", "node07", "login", "a8b", "a9b", "a10b"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["kubernetes", f"--cluster_spec={SPEC}", "--", "true"], "the following arguments are required: --image"),
+    (["kubernetes", f"--cluster_spec={SPEC}", "--image=x"], "Missing command."),
+    (["kubernetes", f"--cluster_spec={SPEC}", "--image=x", "--port=0", "--", "true"], "Invalid value for `--port`. Received: 0."),
+    (["slurm", "--cluster_spec=/nonexistent.json", "--", "true"], "Cannot read cluster spec /nonexistent.json"),
+])
+def test_bad_input(args, message):
+    result = _export(*args)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
