@@ -17,6 +17,13 @@ cluster read from the `SLURM_*` variables), each with:
 - `DISTRIB_TF_COLLECTIVE_TIMEOUT`, with `--collective_timeout`: `make_strategy()`
   then fails a stuck all-reduce after that many seconds instead of hanging.
 
+When this launcher runs every task of a spec whose addresses are all loopback, the
+tasks run in a private network namespace (loopback
+only; `--no_private` turns that off): TensorFlow's gRPC servers listen on every
+interface, so without it anyone who can reach this machine can reach the workers. The
+tasks then have no network access. Where the kernel refuses a namespace, a warning
+says the job is exposed.
+
 Output is prefixed line by line (`[worker:1] ...`) and, with `--log_dir`, also written
 to one file per task (`worker_1.log`, appended across restarts).
 
@@ -37,9 +44,12 @@ import argparse
 import collections
 import ctypes
 import dataclasses
+import fcntl
 import os
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -49,6 +59,7 @@ from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import Task
 from distrib_tf.cluster import load_slurm_cluster
 from distrib_tf.cluster import parse_task
+from distrib_tf.cluster import split_address
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 TAIL_LINES = 20
@@ -66,6 +77,7 @@ class LaunchConfig:
     gpus_per_task: int = 0
     collective_timeout: float | None = None
     grace_period: float = 10.0
+    private: bool = True
 
 
 @dataclasses.dataclass
@@ -105,6 +117,46 @@ def task_env(config: LaunchConfig, spec: ClusterSpec, task: Task, slot: int,
     if config.collective_timeout:
         env["DISTRIB_TF_COLLECTIVE_TIMEOUT"] = str(config.collective_timeout)
     return env
+
+
+_LOOPBACK_HOSTS = ("localhost", "::1", "[::1]")
+
+
+def is_loopback_only(spec: ClusterSpec) -> bool:
+    """Whether every address of `spec` is on this machine's loopback interface."""
+    hosts = (split_address(spec.address(task))[0] for task in spec.tasks)
+    return all(h in _LOOPBACK_HOSTS or h.startswith("127.") for h in hosts)
+
+
+def enter_private_network() -> str | None:
+    """Moves this process into a new network namespace that has only loopback.
+
+    Tasks started afterwards share it: they reach each other on 127.0.0.1 and nothing
+    outside can reach them (TensorFlow's gRPC servers listen on every interface).
+    Unprivileged users get it through a user namespace where the kernel allows one.
+
+    Returns:
+        `None` on success, else why it could not be done.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newnet, clone_newuser = 0x40000000, 0x10000000
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(clone_newnet if uid == 0 else clone_newnet | clone_newuser) != 0:
+        return f"unshare: {os.strerror(ctypes.get_errno())}"
+    try:
+        if uid != 0:  # Keep our own ids inside the user namespace.
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                               ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w", encoding="ascii") as f:
+                    f.write(text)
+        siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            request = struct.pack("16sH14x", b"lo", 0)
+            flags = struct.unpack("16sH14x", fcntl.ioctl(sock, siocgifflags, request))[1]
+            fcntl.ioctl(sock, siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
+    except OSError as e:
+        return f"loopback in the new namespace: {e}"
+    return None
 
 
 def _die_with_parent():
@@ -207,6 +259,7 @@ def run(config: LaunchConfig) -> LaunchResult:
     out_lock = threading.Lock()
     if config.log_dir:
         os.makedirs(config.log_dir, exist_ok=True)
+    _protect_network(config, out_lock)
 
     def interrupt(signum, frame):
         raise _Interrupted(signal.Signals(signum).name)
@@ -244,6 +297,22 @@ def run(config: LaunchConfig) -> LaunchResult:
             signal.signal(sig, handler)
 
 
+def _protect_network(config: LaunchConfig, out_lock):
+    """Makes a loopback-only cluster private, or says loudly that the job is exposed."""
+    exposed = ("TensorFlow's gRPC servers listen on every interface of this machine, with no "
+               "authentication: whoever reaches them can join or disrupt the job (SECURITY.md)")
+    if not is_loopback_only(config.spec) or set(config.tasks) != set(config.spec.tasks):
+        # Other launchers run the other tasks: they must share this host's network.
+        _say(f"note: {exposed}; run it on a private network only", out_lock)
+    elif not config.private:
+        _say(f"WARNING: --no_private: {exposed}", out_lock)
+    elif (why := enter_private_network()) is not None:
+        _say(f"WARNING: could not make this local cluster private ({why}): {exposed}", out_lock)
+    else:
+        _say("local tasks run in a private network namespace: loopback only, "
+             "unreachable from the network (and without network access)", out_lock)
+
+
 def _report(failure: TaskExit, attempt: int, max_restarts: int, out_lock):
     restarts_left = max_restarts + 1 - attempt
     next_step = (f"restarting the group ({restarts_left} restart(s) left)" if restarts_left
@@ -277,6 +346,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--gpus_per_task", type=int, default=0)
     parser.add_argument("--collective_timeout", type=float)
     parser.add_argument("--grace_period", type=float, default=10.0)
+    parser.add_argument("--no_private", action="store_true",
+                        help="for a loopback-only spec, do not isolate the tasks in a private "
+                             "network namespace (they are then reachable from the network)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     return parser.parse_args(argv)
 
@@ -331,7 +403,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                         max_restarts=args.max_restarts, log_dir=args.log_dir,
                         gpus_per_task=args.gpus_per_task,
                         collective_timeout=args.collective_timeout,
-                        grace_period=args.grace_period)
+                        grace_period=args.grace_period, private=not args.no_private)
 
 
 def main(argv: list[str] | None = None) -> int:

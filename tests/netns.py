@@ -4,6 +4,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 
 SUBNET = "10.199.77"
 
@@ -48,3 +49,30 @@ def set_link(hosts, up: bool):
     links = subprocess.run(["ip", "-n", name, "-o", "link"], capture_output=True, text=True).stdout
     end = next(line.split(":")[1].strip().split("@")[0] for line in links.splitlines() if "vdtf" in line)
     _ip("-n", name, "link", "set", end, "up" if up else "down")
+
+
+@contextlib.contextmanager
+def outside_host():
+    """A namespace joined to this one by a veth pair: `(namespace, our_address, its_address)`."""
+    tag = os.getpid() % 100000
+    name, ours, theirs = f"dtf{tag}o", f"vdtf{tag}h", f"vdtf{tag}o"
+    host_address, outside_address = "10.199.78.1", "10.199.78.2"
+    try:
+        _ip("netns", "add", name)
+        _ip("link", "add", ours, "type", "veth", "peer", "name", theirs)
+        _ip("link", "set", theirs, "netns", name)
+        _ip("addr", "add", f"{host_address}/24", "dev", ours)
+        _ip("link", "set", ours, "up")
+        _ip("-n", name, "addr", "add", f"{outside_address}/24", "dev", theirs)
+        _ip("-n", name, "link", "set", theirs, "up")
+        yield name, host_address, outside_address
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        subprocess.run(["ip", "link", "del", ours], capture_output=True)
+
+
+def can_connect(namespace: str, address: str, port: int) -> bool:
+    """Whether a TCP connection from `namespace` to `address:port` opens (2 s at most)."""
+    code = (f"import socket; socket.create_connection(({address!r}, {port}), timeout=2).close()")
+    return subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-c", code],
+                          capture_output=True, timeout=30).returncode == 0
