@@ -5,10 +5,32 @@ Under several workers only the chief writes into `model_dir`: Keras's own
 `distrib_tf._keras_compat`, so a user's own callbacks get the same behaviour.
 """
 
+import json
 import os
 import time
 
 import keras
+
+
+class BackupAndRestore(keras.callbacks.BackupAndRestore):
+    """Keras's `BackupAndRestore`, writing every backup atomically.
+
+    Weights and metadata go to temporary files that then replace the previous backup,
+    so a process killed while writing leaves the last good backup whole (Keras writes
+    in place). Only the chief writes, as `distrib_tf._keras_compat` makes Keras's own do.
+    """
+
+    def _save_model(self):
+        if not self.model.distribute_strategy.extended.should_checkpoint:
+            return
+        os.makedirs(self.backup_dir, exist_ok=True)
+        weights = os.path.join(self.backup_dir, "writing.weights.h5")
+        metadata = self._training_metadata_path + ".writing"
+        self.model.save_weights(weights, overwrite=True)
+        with open(metadata, "w", encoding="utf-8") as f:
+            json.dump({"epoch": self._current_epoch, "batch": self._last_batch_seen}, f)
+        os.replace(weights, self._weights_path)
+        os.replace(metadata, self._training_metadata_path)
 
 
 class EpochTimer(keras.callbacks.Callback):
@@ -48,7 +70,7 @@ def make_callbacks(model_dir: str, *, task: str, is_chief: bool, epochs: int,
     """The main job's callbacks, writing under `model_dir` (the chief only)."""
     callbacks = [
         EpochTimer(examples_per_epoch),
-        keras.callbacks.BackupAndRestore(os.path.join(model_dir, "backup")),
+        BackupAndRestore(os.path.join(model_dir, "backup")),
         keras.callbacks.ModelCheckpoint(
             os.path.join(model_dir, "checkpoints", "epoch{epoch:03d}.weights.h5"),
             save_weights_only=True,
