@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-fast soak lint clean
+.PHONY: install train test test-fast soak bench lint clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,10 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not multiworker and not slow"
 
 soak: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	DISTRIB_TF_SOAK_REPORT=soak_report.json $(PY) -m pytest -q -s -m slow
+
+bench: $(STAMP)
+	$(PY) benchmarks/run.py
 
 lint: $(STAMP)
 	$(PY) -m compileall -q distrib_tf tests

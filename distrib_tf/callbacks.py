@@ -34,19 +34,29 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
 
 class EpochTimer(keras.callbacks.Callback):
-    """Records seconds and examples per second of every epoch into the logs."""
+    """Records the training seconds and examples per second of every epoch into the logs.
+
+    An epoch's time runs from its start to its last training step: validation and
+    epoch-end callbacks (checkpoints) are left out, so the rate is the training step's.
+    """
 
     def __init__(self, examples_per_epoch: int):
         super().__init__()
         self.examples_per_epoch = examples_per_epoch
         self.seconds: list[float] = []
-        self._start = 0.0
+        self.first_step_at: float | None = None  # Unix time the first step ended.
+        self._start = self._last_step = 0.0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._last_step = time.perf_counter()
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
+        self._start = self._last_step = time.perf_counter()
 
     def on_epoch_end(self, epoch, logs=None):
-        seconds = time.perf_counter() - self._start
+        seconds = self._last_step - self._start
         self.seconds.append(seconds)
         if logs is not None:
             logs["epoch_seconds"] = seconds

@@ -186,6 +186,7 @@ def run_job(job: Job) -> dict:
         "final": {k: float(v) for k, v in final.items()},
         "examples_per_second": _steady_rate(timer.seconds, timer.examples_per_epoch),
         "wall_seconds": time.time() - started,
+        "first_step_unix_time": timer.first_step_at,
     }
     if job.is_chief:
         _write_json_atomically(os.path.join(job.model_dir, "summary.json"), summary)
