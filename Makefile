@@ -19,7 +19,7 @@ train: $(STAMP)
 	    -- $(PY) -m distrib_tf.train --model=cnn --model_dir=runs/cnn
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=10
+	$(PY) -m pytest -q --durations=10 -m "not slow"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not multiworker and not slow"

@@ -172,8 +172,10 @@ def bench_allreduce(scratch, *, sizes_mb, repeats):
         for name in variants:
             row[f"allreduce_bytes_per_second ({name})"] = size * 2**20 / seconds[name][str(size)]
         sweep.append(row)
-    best = max(r["allreduce_bytes_per_second (1 tensor)"] / r["loopback_bytes_per_second"] for r in sweep)
-    return {"p3_allreduce_fraction_of_loopback": best, "p3_sweep": sweep}
+    fractions = {str(r["megabytes"]): r["allreduce_bytes_per_second (1 tensor)"] / r["loopback_bytes_per_second"]
+                 for r in sweep}
+    return {"p3_allreduce_fraction_of_loopback": statistics.median(fractions.values()),
+            "p3_fraction_by_megabytes": fractions, "p3_sweep": sweep}
 
 
 def write_plots(results, out):

@@ -145,6 +145,7 @@ def test_host_cut_off_fails_within_the_timeout_and_comes_back(tmp_path):
         texts = [_read(out) for out in outs]
         for out in outs:
             out.close()
+    print(f"host cut off: the launcher saw the failure {noticed:.1f} s after the cut", flush=True)
     assert noticed < 30, texts[0][-3000:]
     assert re.search(r"DeadlineExceeded|Collective has timed out|task:1|unhealthy", texts[0]), texts[0][-3000:]
     assert codes == [0, 0], [t[-2000:] for t in texts]

@@ -1,0 +1,28 @@
+"""Every notebook runs headless, top to bottom, without an error."""
+
+import os
+import re
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "notebooks")
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(NOTEBOOKS) if n.endswith(".ipynb")))
+def test_notebook_runs(tmp_path, name):
+    with open(os.path.join(NOTEBOOKS, name), encoding="utf-8") as f:
+        notebook = nbformat.read(f, as_version=4)
+    assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), \
+        "notebooks are committed without outputs"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    NotebookClient(notebook, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": NOTEBOOKS}}).execute()
+    text = "\n".join(str(o.get("text", "")) for c in notebook.cells for o in c.get("outputs", []))
+    if name.startswith("02"):
+        assert "succeeded | restarts: 1" in text
+    if name.startswith("03"):
+        assert len(re.findall(r":\s+\d+ examples/s", text)) == 4  # The four layouts.
+        assert "results: " in text and "sweep.png" in text

@@ -1,0 +1,90 @@
+"""Sweeps: a small grid of real 2-worker trials, a failing trial, re-runs, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cluster_runner import QUIET_TF
+from distrib_tf import sweep
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
+SPEC = os.path.join(ROOT, "cluster_specs", "local_2workers.json")
+
+
+def _sweep(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "distrib_tf.sweep", f"--cluster_spec={SPEC}", *args],
+                          capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.multiworker
+def test_grid_of_two_worker_trials_with_a_failure_then_a_rerun(tmp_path):
+    args = ["--space=learning_rate=[1e-3,3e-3] global_batch_size=[64,63]", f"--sweep_dir={tmp_path}",
+            "--", "--epochs=2", "--steps_per_epoch=10"]
+    first = _sweep(*args)
+    assert first.returncode == 1, first.stdout + first.stderr  # One value of the grid cannot run.
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert len(rows) == 4
+    finished = [r for r in rows if r["status"] == "finished"]
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert len(finished) == 2 and len(failed) == 2
+    assert all(r["global_batch_size"] == 63 for r in failed)
+    assert all("Expected a multiple of the 2 replicas" in r["cause"] for r in failed)
+    assert rows[0]["best_val_accuracy"] >= rows[1]["best_val_accuracy"]  # Sorted by the metric.
+    for r in finished:
+        summary = json.loads((tmp_path / os.path.basename(r["model_dir"]) / "summary.json").read_text())
+        assert summary["workers"] == 2 and summary["config"]["learning_rate"] == r["learning_rate"]
+    assert (tmp_path / "results.csv").read_text().startswith("trial,learning_rate,global_batch_size,status")
+    assert (tmp_path / "sweep.png").stat().st_size > 1000
+    assert "| best_val_accuracy |" in first.stdout
+
+    again = _sweep(*args)
+    assert again.stdout.count("finished before, skipped") == 2
+    assert again.stdout.count(": started") == 2  # Only the failed ones run again.
+
+
+def test_space_parsing_and_sampling():
+    space = sweep.parse_space("learning_rate=logspace(1e-4,1e-2,3) global_batch_size=[32,64]")
+    assert [round(v, 6) for v in space[0].values] == [0.0001, 0.001, 0.01]
+    grid = sweep.sample_trials(space, sampler="grid", trials=None, seed=0)
+    assert len(grid) == 6 and grid[0] == {"learning_rate": space[0].values[0], "global_batch_size": 32}
+    assert len(sweep.sample_trials(space, sampler="grid", trials=4, seed=0)) == 4
+    ranged = sweep.parse_space(data={"learning_rate": {"loguniform": [1e-4, 1e-2]}, "seed": [1, 2]})
+    draws = sweep.sample_trials(ranged, sampler="random", trials=20, seed=3)
+    assert all(1e-4 <= d["learning_rate"] <= 1e-2 and d["seed"] in (1, 2) for d in draws)
+    assert draws == sweep.sample_trials(ranged, sampler="random", trials=20, seed=3)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--space=lr=[1,2]"], "Invalid flag `lr` in the search space. Expected one of"),
+    (["--space="], "Empty search space."),
+    (["--space=learning_rate=[]"], "Expected at least one value"),
+    (["--space=learning_rate=linspace(1,0,3)"], "Received: 'linspace(1,0,3)'. Expected a < b."),
+    (["--space=learning_rate=linspace(0.1,1)"], "Expected linspace(a,b,n)."),
+    (["--space=learning_rate=loguniform(0,1)", "--sampler=random", "--trials=2"], "a > 0 on a log scale"),
+    (["--space=learning_rate=loguniform(1e-4,1e-2)"], "Invalid search space for --sampler=grid"),
+    (["--space=learning_rate=[1e-3]", "--trials=0"], "Invalid value for `--trials`. Received: 0."),
+    (["--space=learning_rate=[1e-3]", "--sampler=bayes"], "Invalid value for `--sampler`. Received: 'bayes'."),
+    (["--space=learning_rate=[x]"], "Received: 'x'. Expected a number."),
+    (["--space=learning_rate=[1e-3]", "--cluster_spec=/nonexistent.json"], "Cannot read cluster spec /nonexistent.json"),
+])
+def test_bad_input_exits_2_and_starts_nothing(tmp_path, args, message):
+    result = subprocess.run([sys.executable, "-m", "distrib_tf.sweep", f"--sweep_dir={tmp_path}/sweep", *args],
+                            capture_output=True, text=True, env=ENV, timeout=30, cwd=ROOT)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.multiworker
+def test_tpe_sampler_runs_trials(tmp_path):
+    pytest.importorskip("optuna")
+    result = _sweep("--space=learning_rate=loguniform(1e-4,1e-2)", "--sampler=tpe", "--trials=2",
+                    f"--sweep_dir={tmp_path}", "--", "--epochs=1", "--steps_per_epoch=5")
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert len(rows) == 2 and all(r["status"] == "finished" for r in rows)
+    assert all(1e-4 <= r["learning_rate"] <= 1e-2 for r in rows)
