@@ -11,13 +11,14 @@ stop() {
   for pid_file in "$dir/slurmd.pid" "$dir/slurmctld.pid"; do
     [ -f "$pid_file" ] && kill "$(cat "$pid_file")" 2>/dev/null || true
   done
-  [ -f "$dir/munged.pid" ] && kill "$(cat "$dir/munged.pid")" 2>/dev/null || true
+  [ -f "$dir/munge/munged.pid" ] && kill "$(cat "$dir/munge/munged.pid")" 2>/dev/null || true
   return 0
 }
 
 if [ "$action" = stop ]; then stop; exit 0; fi
 
 mkdir -p "$dir/state" "$dir/spool" "$dir/munge"
+chmod 755 "$dir"
 chown munge:munge "$dir/munge"
 if [ ! -s /etc/munge/munge.key ]; then
   dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
@@ -25,8 +26,7 @@ fi
 chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
 mkdir -p /run/munge && chown munge:munge /run/munge
 if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-  su -s /bin/sh munge -c "munged --pid-file=$dir/munged.pid --force" \
-    || runuser -u munge -- munged --force
+  runuser -u munge -- munged --pid-file="$dir/munge/munged.pid" --force
   sleep 1
 fi
 node=$(hostname)
