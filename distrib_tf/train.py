@@ -22,12 +22,18 @@ import sys
 import tempfile
 import time
 
+import keras
 from absl import app
 from absl import flags
 from absl import logging as absl_logging
 
+from distrib_tf import callbacks as callbacks_lib
 from distrib_tf import cluster
+from distrib_tf import data
 from distrib_tf.models import MODELS
+from distrib_tf.models import build_model
+from distrib_tf.strategy import make_strategy
+from distrib_tf.strategy import strategy_name
 
 MIXED_PRECISION = {"off": "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
 DEFAULT_DATASETS = {"cnn": "shapes", "transformer": "tokens"}
@@ -111,10 +117,6 @@ def prepare_job(config: TrainConfig, model_dir: str) -> Job:
         FileNotFoundError: the dataset is not prepared in `data_dir`.
     Nothing is written before all checks pass.
     """
-    from distrib_tf import data  # pylint: disable=import-outside-toplevel
-    from distrib_tf.strategy import make_strategy  # pylint: disable=import-outside-toplevel
-    from distrib_tf.strategy import strategy_name  # pylint: disable=import-outside-toplevel
-
     data.check_dataset_name(config.dataset)
     strategy = make_strategy(config.strategy, cpu_replicas=config.cpu_replicas,
                              timeout_seconds=config.collective_timeout)
@@ -135,12 +137,6 @@ def prepare_job(config: TrainConfig, model_dir: str) -> Job:
 
 def run_job(job: Job) -> dict:
     """Trains and evaluates; returns the summary (written to `summary.json` by the chief)."""
-    import keras  # pylint: disable=import-outside-toplevel
-
-    from distrib_tf import callbacks as callbacks_lib  # pylint: disable=import-outside-toplevel
-    from distrib_tf import data  # pylint: disable=import-outside-toplevel
-    from distrib_tf.models import build_model  # pylint: disable=import-outside-toplevel
-
     config, strategy, info = job.config, job.strategy, job.info
     started = time.time()
     keras.utils.set_random_seed(config.seed)

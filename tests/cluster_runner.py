@@ -69,3 +69,22 @@ def check_ok(results):
         f"--- {r.task} exited {r.returncode}:\n{r.output[-3000:]}" for r in failed
     )
     return results
+
+
+def start_and_wait_for(cmd, out, *, marker: str, count: int, env=None, timeout: float = 60):
+    """Starts `cmd` writing into the open file `out`; waits until `marker` appears `count` times.
+
+    Returns `(process, text so far)`; kills the process and fails if that takes too long.
+    """
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        out.seek(0)
+        text = out.read()
+        if text.count(marker) >= count:
+            return proc, text
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    raise AssertionError(f"{marker!r} did not appear {count} times in {timeout} s:\n{text[-3000:]}")

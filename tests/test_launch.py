@@ -11,6 +11,7 @@ import time
 import pytest
 
 from cluster_runner import QUIET_TF
+from cluster_runner import start_and_wait_for
 from distrib_tf import launch
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import Task
@@ -98,20 +99,12 @@ def _alive(pid):
 
 
 def _start_sleepers(out):
-    proc = subprocess.Popen(
+    proc, text = start_and_wait_for(
         launch_cmd("local_2workers.json", sys.executable, "-c",
                    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)",
                    options=["--grace_period=2"]),
-        env=ENV, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        out.seek(0)
-        text = out.read()
-        if text.count("] up") == 2:
-            return proc, _pids(text)
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError(f"tasks did not start: {text}")
+        out, marker="] up", count=2, env=ENV, timeout=30)
+    return proc, _pids(text)
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130)])

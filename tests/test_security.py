@@ -3,33 +3,24 @@
 import os
 import re
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
 import netns
 from cluster_runner import QUIET_TF
+from cluster_runner import start_and_wait_for
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
 
 
 def _serve(out, *options):
-    proc = subprocess.Popen(
+    proc, text = start_and_wait_for(
         [sys.executable, "-m", "distrib_tf.launch", f"--cluster_spec={ROOT}/cluster_specs/local_2workers.json",
          "--grace_period=2", *options, "--", sys.executable, os.path.join(ROOT, "tests", "workers", "serve.py")],
-        env=ENV, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        out.seek(0)
-        text = out.read()
-        if text.count("] serving") == 2:
-            return proc, [int(p) for p in re.findall(r"at 127\.0\.0\.1:(\d+)", text)], text
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(text)
+        out, marker="] serving", count=2, env=ENV)
+    return proc, [int(p) for p in re.findall(r"at 127\.0\.0\.1:(\d+)", text)], text
 
 
 @pytest.mark.multiworker
