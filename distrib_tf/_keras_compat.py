@@ -39,7 +39,7 @@ from keras.src.trainers import trainer as _base_trainer
 
 logger = logging.getLogger("distrib_tf")
 
-TESTED_KERAS = ((3, 15), (3, 15))  # Inclusive range of (major, minor) versions.
+TESTED_KERAS = ((3, 12), (3, 15))  # Inclusive (major, minor) range; each version run through tests/test_keras_compat.py.
 _applied = False
 
 
