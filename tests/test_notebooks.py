@@ -5,6 +5,7 @@ import re
 
 import nbformat
 import pytest
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
 NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "notebooks")
@@ -18,7 +19,11 @@ def test_notebook_runs(tmp_path, name):
     assert all(not cell.get("outputs") for cell in notebook.cells if cell.cell_type == "code"), \
         "notebooks are committed without outputs"
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    NotebookClient(notebook, timeout=600, kernel_name="python3",
+    class IPCKernelManager(KernelManager):  # Unix sockets under tmp_path: no kernel port on the network.
+        def __init__(self, **kwargs):
+            super().__init__(transport="ipc", ip=str(tmp_path / "kernel"), **kwargs)
+
+    NotebookClient(notebook, kernel_manager_class=IPCKernelManager, kernel_name="python3", timeout=600,
                    resources={"metadata": {"path": NOTEBOOKS}}).execute()
     text = "\n".join(str(o.get("text", "")) for c in notebook.cells for o in c.get("outputs", []))
     if name.startswith("02"):
