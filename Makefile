@@ -31,7 +31,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
 lint: $(STAMP)
-	$(PY) -m compileall -q distrib_tf tests
+	$(PY) -m ruff check distrib_tf tests benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info

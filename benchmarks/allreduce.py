@@ -7,6 +7,18 @@ import time
 import distrib_tf
 
 
+def _make_step(strategy, tensors):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    @tf.function
+    def step():
+        def replica_fn():
+            return tf.distribute.get_replica_context().all_reduce("SUM", tensors)
+        return strategy.run(replica_fn)
+
+    return step
+
+
 def main():
     sizes_mb = sys.argv[1].split(",")
     repeats, pieces, bytes_per_pack, out = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
@@ -16,15 +28,7 @@ def main():
     results = {}
     for size in sizes_mb:
         elements = int(float(size) * 2**20 / 4 / pieces)
-        tensors = [tf.ones([elements]) for _ in range(pieces)]
-
-        @tf.function
-        def step():
-            def replica_fn():
-                context = tf.distribute.get_replica_context()
-                return context.all_reduce("SUM", tensors)
-            return strategy.run(replica_fn)
-
+        step = _make_step(strategy, [tf.ones([elements]) for _ in range(pieces)])
         step()  # Trace and warm up.
         times = []
         for _ in range(repeats):

@@ -29,8 +29,9 @@ def _reduce(values, strategy_, reduction):  # Keras 3 reduces scalar logs with a
 
 
 def _symbolic_build(self, iterator=None, data_batch=None):  # Keras 3 reduces the data batch.
+    local = self.distribute_strategy.experimental_local_results
     for _, _, it in iterator:
-        data_batch = tf.nest.map_structure(lambda x: self.distribute_strategy.experimental_local_results(x)[0], next(it))
+        data_batch = tf.nest.map_structure(lambda x: local(x)[0], next(it))
         break
     with self.distribute_strategy.scope():
         self._symbolic_build(data_batch=data_batch)

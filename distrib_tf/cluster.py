@@ -27,7 +27,8 @@ import functools
 import json
 import os
 import socket
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 JOB_TYPES = ("chief", "worker", "evaluator")
 _PS_HINT = (
@@ -138,7 +139,7 @@ def _check_jobs(cluster: Any, source: str) -> dict[str, tuple[str, ...]]:
     return {job: tuple(cluster[job]) for job in JOB_TYPES if job in cluster}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_local_host(host: str) -> bool:
     """Whether `host` names this machine: an address a socket here can bind to."""
     try:

@@ -100,7 +100,7 @@ class Job:
     def progress(self) -> list[dict]:
         """One row per task: epochs done, of how many, and its last line."""
         tasks = sorted(t for t in self._tails if t != "launcher")
-        return [{"task": t, "epochs": "%d/%d" % self._epochs.get(t, (0, 0)),
+        return [{"task": t, "epochs": "{}/{}".format(*self._epochs.get(t, (0, 0))),
                  "last line": (self._tails[t][-1] if self._tails[t] else "")[:100]} for t in tasks]
 
     def wait_for_epoch(self, epoch: int, task: str = "worker:0", timeout: float = 600) -> bool:
@@ -168,7 +168,8 @@ class _Display:
     def __init__(self):
         try:
             from IPython import get_ipython  # pylint: disable=import-outside-toplevel
-            from IPython.display import Pretty, display  # pylint: disable=import-outside-toplevel
+            from IPython.display import Pretty  # pylint: disable=import-outside-toplevel
+            from IPython.display import display  # pylint: disable=import-outside-toplevel
             self._pretty = Pretty
             self._handle = display(Pretty(""), display_id=True) if get_ipython() else None
         except ImportError:

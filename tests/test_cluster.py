@@ -87,7 +87,8 @@ def test_tf_config_refuses_port_zero():
 
 def test_port_zero_on_another_host_is_refused():
     spec = ClusterSpec.from_dict({"cluster": {"worker": ["127.0.0.1:0", "192.0.2.7:0"]}}, source="x.json")
-    with pytest.raises(ClusterSpecError, match=r"`cluster\.worker\[1\]` in x\.json\. Received: '192\.0\.2\.7:0'\. Expected a fixed port"):
+    message = r"`cluster\.worker\[1\]` in x\.json\. Received: '192\.0\.2\.7:0'\. Expected a fixed port"
+    with pytest.raises(ClusterSpecError, match=message):
         spec.with_free_ports()
 
 
@@ -101,7 +102,8 @@ def test_local_tasks():
 def test_parse_task():
     assert parse_task("worker:3") == Task("worker", 3)
     for text in ["worker", "worker:x", "ps:0", "worker:-1", ""]:
-        with pytest.raises(ClusterSpecError, match=r"Invalid value for `task` in --task\. Received: .*Expected TYPE:INDEX"):
+        with pytest.raises(ClusterSpecError,
+                           match=r"Invalid value for `task` in --task\. Received: .*Expected TYPE:INDEX"):
             parse_task(text)
 
 

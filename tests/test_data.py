@@ -9,7 +9,9 @@ import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from cluster_runner import check_ok, local_spec, run_cluster
+from cluster_runner import check_ok
+from cluster_runner import local_spec
+from cluster_runner import run_cluster
 from distrib_tf import data
 
 HERE = os.path.dirname(__file__)
@@ -70,7 +72,8 @@ def test_tfds_not_prepared_names_dataset_dir_and_command(tmp_path):
 
 
 def test_unknown_dataset_and_bad_batch():
-    with pytest.raises(ValueError, match=r"Invalid value for `--dataset`\. Received: 'imagenet'\. Expected one of shapes, tokens, mnist"):
+    message = r"Invalid value for `--dataset`\. Received: 'imagenet'\. Expected one of shapes, tokens, mnist"
+    with pytest.raises(ValueError, match=message):
         data.load_info("imagenet")
     with pytest.raises(ValueError, match=r"Received: 10\. Expected a multiple of the 4 replicas, such as 8\."):
         data.check_global_batch_size(10, 4)

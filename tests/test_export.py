@@ -8,7 +8,6 @@ import sys
 import pytest
 import yaml
 
-from distrib_tf import export
 from distrib_tf import launch
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import expand_hostlist
@@ -70,7 +69,8 @@ def test_expand_hostlist():
 @pytest.mark.parametrize("args, message", [
     (["kubernetes", f"--cluster_spec={SPEC}", "--", "true"], "the following arguments are required: --image"),
     (["kubernetes", f"--cluster_spec={SPEC}", "--image=x"], "Missing command."),
-    (["kubernetes", f"--cluster_spec={SPEC}", "--image=x", "--port=0", "--", "true"], "Invalid value for `--port`. Received: 0."),
+    (["kubernetes", f"--cluster_spec={SPEC}", "--image=x", "--port=0", "--", "true"],
+     "Invalid value for `--port`. Received: 0."),
     (["slurm", "--cluster_spec=/nonexistent.json", "--", "true"], "Cannot read cluster spec /nonexistent.json"),
 ])
 def test_bad_input(args, message):

@@ -7,7 +7,10 @@ import os
 import numpy as np
 import pytest
 
-from cluster_runner import check_ok, local_spec, run_cluster, run_single
+from cluster_runner import check_ok
+from cluster_runner import local_spec
+from cluster_runner import run_cluster
+from cluster_runner import run_single
 
 HERE = os.path.dirname(__file__)
 USER_SCRIPT = os.path.join(HERE, "workers", "keras_user.py")

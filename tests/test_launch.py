@@ -101,7 +101,8 @@ def _alive(pid):
 def _start_sleepers(out):
     proc, text = start_and_wait_for(
         launch_cmd("local_2workers.json", sys.executable, "-c",
-                   "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)",
+                   "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                   "print('up', flush=True); time.sleep(120)",
                    options=["--grace_period=2"]),
         out, marker="] up", count=2, env=ENV, timeout=30)
     return proc, _pids(text)
@@ -162,7 +163,8 @@ def test_two_hosts_form_one_cluster(tmp_path):
     reason = netns.available()
     if reason:
         pytest.skip(reason)
-    from test_keras_compat import USER_SCRIPT, check_two_worker_run  # pylint: disable=import-outside-toplevel
+    from test_keras_compat import USER_SCRIPT  # pylint: disable=import-outside-toplevel
+    from test_keras_compat import check_two_worker_run  # pylint: disable=import-outside-toplevel
 
     with netns.two_hosts() as hosts:
         spec = tmp_path / "two_hosts.json"

@@ -28,7 +28,8 @@ def test_transformer_parameter_count(kwargs, params):
 
 
 def test_bad_model_arguments():
-    with pytest.raises(ValueError, match=r"Invalid value for `--model`\. Received: 'resnet'\. Expected one of cnn, transformer"):
+    with pytest.raises(ValueError,
+                       match=r"Invalid value for `--model`\. Received: 'resnet'\. Expected one of cnn, transformer"):
         build_model("resnet")
     with pytest.raises(ValueError, match=r"Received: heads=3 with width=64\. Expected a divisor of `width`"):
         build_model("transformer", vocab_size=10, seq_len=4, num_classes=2, heads=3)

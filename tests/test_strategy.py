@@ -5,7 +5,10 @@ import os
 
 import pytest
 
-from cluster_runner import check_ok, local_spec, run_cluster, run_single
+from cluster_runner import check_ok
+from cluster_runner import local_spec
+from cluster_runner import run_cluster
+from cluster_runner import run_single
 
 HERE = os.path.dirname(__file__)
 DESCRIBE = os.path.join(HERE, "workers", "describe.py")
@@ -60,7 +63,8 @@ def test_auto_from_tf_config_is_multi_worker():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"kind": "tpu"}, r"Invalid value for argument `kind`\. Received: kind='tpu'\. Expected one of 'auto', 'one_device', 'mirrored', 'multi_worker'"),
+    ({"kind": "tpu"}, r"Invalid value for argument `kind`\. Received: kind='tpu'\. "
+                      r"Expected one of 'auto', 'one_device', 'mirrored', 'multi_worker'"),
     ({"communication": "mpi"}, r"Received: communication='mpi'"),
     ({"cpu_replicas": 0}, r"Received: cpu_replicas=0\. Expected a positive integer or None"),
     ({"timeout_seconds": -1}, r"Received: timeout_seconds=-1"),
@@ -76,5 +80,6 @@ def test_bad_arguments(kwargs, message):
 
 
 def test_bad_tf_config_never_reaches_tensorflow():
-    output = describe_error(env={"TF_CONFIG": '{"cluster": {"worker": ["127.0.0.1"]}, "task": {"type": "worker", "index": 0}}'})
+    tf_config = '{"cluster": {"worker": ["127.0.0.1"]}, "task": {"type": "worker", "index": 0}}'
+    output = describe_error(env={"TF_CONFIG": tf_config})
     assert "ClusterSpecError: Invalid value for `cluster.worker[0]` in TF_CONFIG. Received: '127.0.0.1'" in output

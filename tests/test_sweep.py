@@ -69,7 +69,8 @@ def test_space_parsing_and_sampling():
     (["--space=learning_rate=[1e-3]", "--trials=0"], "Invalid value for `--trials`. Received: 0."),
     (["--space=learning_rate=[1e-3]", "--sampler=bayes"], "Invalid value for `--sampler`. Received: 'bayes'."),
     (["--space=learning_rate=[x]"], "Received: 'x'. Expected a number."),
-    (["--space=learning_rate=[1e-3]", "--cluster_spec=/nonexistent.json"], "Cannot read cluster spec /nonexistent.json"),
+    (["--space=learning_rate=[1e-3]", "--cluster_spec=/nonexistent.json"],
+     "Cannot read cluster spec /nonexistent.json"),
 ])
 def test_bad_input_exits_2_and_starts_nothing(tmp_path, args, message):
     result = subprocess.run([sys.executable, "-m", "distrib_tf.sweep", f"--sweep_dir={tmp_path}/sweep", *args],

@@ -9,7 +9,11 @@ import time
 
 import pytest
 
-from cluster_runner import QUIET_TF, check_ok, local_spec, run_cluster, run_single
+from cluster_runner import QUIET_TF
+from cluster_runner import check_ok
+from cluster_runner import local_spec
+from cluster_runner import run_cluster
+from cluster_runner import run_single
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 ENV = {"PYTHONPATH": ROOT}
