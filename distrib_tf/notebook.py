@@ -73,6 +73,7 @@ class Job:
                 elif task in self._epochs:
                     done, total = self._epochs[task]
                     self._epochs[task] = (min(done + 1, total), total)
+        self._proc.stdout.close()
 
     @property
     def status(self) -> str:
@@ -124,6 +125,8 @@ class Job:
             if display:
                 display.update(self._render())
             time.sleep(every)
+        if self.status != "running":
+            self._reader.join(timeout=5)  # The last lines, then the pipe closes.
         if display:
             display.update(self._render())
         return self.summary()
@@ -143,6 +146,7 @@ class Job:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        self._reader.join(timeout=5)
 
     def summary(self) -> dict | None:
         path = os.path.join(self.model_dir, "summary.json")

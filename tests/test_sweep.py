@@ -89,3 +89,37 @@ def test_tpe_sampler_runs_trials(tmp_path):
     rows = json.loads((tmp_path / "results.json").read_text())
     assert len(rows) == 2 and all(r["status"] == "finished" for r in rows)
     assert all(1e-4 <= r["learning_rate"] <= 1e-2 for r in rows)
+
+
+@pytest.mark.multiworker
+def test_trials_run_side_by_side_when_there_is_room(tmp_path):
+    # One-worker trials on 2 CPUs: two at a time, each launcher on its own free port.
+    result = subprocess.run(
+        [sys.executable, "-m", "distrib_tf.sweep", f"--cluster_spec={ROOT}/cluster_specs/local_1worker.json",
+         "--space=seed=[1,2]", f"--sweep_dir={tmp_path}", "--", "--epochs=1", "--steps_per_epoch=5"],
+        capture_output=True, text=True, env=ENV, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 at a time" in result.stdout
+    events = [line.split(": ")[-1].split(" ")[0] for line in result.stdout.splitlines() if line.startswith("trial ")]
+    assert events[:2] == ["started", "started"], result.stdout
+
+
+@pytest.mark.multiworker
+def test_ctrl_c_stops_every_trial(tmp_path):
+    import signal  # pylint: disable=import-outside-toplevel
+    import time  # pylint: disable=import-outside-toplevel
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distrib_tf.sweep", f"--cluster_spec={SPEC}", "--space=seed=[1]",
+         f"--sweep_dir={tmp_path}", "--", "--epochs=50"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("trial-*/trial.log")) or "started worker:1" not in \
+            next(tmp_path.glob("trial-*/trial.log")).read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "every trial stopped" in stderr
+    leftovers = subprocess.run(["pgrep", "-f", "--", f"model_dir={tmp_path}"], capture_output=True, text=True).stdout
+    assert leftovers == "", leftovers
