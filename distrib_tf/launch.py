@@ -106,6 +106,25 @@ class LaunchResult:
         return self.exit_code != EXIT_OK
 
 
+def command_line(cluster_spec: str, command: list[str], *, max_restarts: int = 0,
+                 grace_period: float = 10.0, log_dir: str | None = None) -> list[str]:
+    """The command that runs `command` on every local task of `cluster_spec`. Pure.
+
+    Example:
+
+        >>> command_line("spec.json", ["python", "job.py"])[1:4]
+        ['-m', 'distrib_tf.launch', '--cluster_spec=spec.json']
+    """
+    options = [f"--cluster_spec={cluster_spec}", f"--max_restarts={max_restarts}",
+               f"--grace_period={grace_period}"] + ([f"--log_dir={log_dir}"] if log_dir else [])
+    return [sys.executable, "-m", "distrib_tf.launch", *options, "--", *command]
+
+
+def main_job_command(model_dir: str, flags: list[str]) -> list[str]:
+    """The main job (`python -m distrib_tf.train`) writing into `model_dir`. Pure."""
+    return [sys.executable, "-m", "distrib_tf.train", f"--model_dir={model_dir}", *flags]
+
+
 def task_env(config: LaunchConfig, spec: ClusterSpec, task: Task, slot: int,
              base_env: dict[str, str]) -> dict[str, str]:
     """The environment of `task`, the `slot`-th task started on this host. Pure."""

@@ -26,6 +26,8 @@ import sys
 import threading
 import time
 
+from distrib_tf import launch
+
 _EPOCH_BEGIN = re.compile(r"^Epoch (\d+)/(\d+)$")  # The chief's, at an epoch's start.
 _EPOCH_END = re.compile(r"^(?:\d+/\d+ - |\S+ epoch (\d+)/(\d+) )")  # Chief's bar end; others' line.
 _LINE = re.compile(r"^\[(launcher|[a-z]+:\d+)\] ?(.*)$")
@@ -205,13 +207,9 @@ def start_job(cluster_spec: str, *, model_dir: str, train_args: list[str] | None
     Returns:
         The `Job`, at once.
     """
-    command = command or [sys.executable, "-m", "distrib_tf.train", f"--model_dir={model_dir}",
-                          *(train_args or [])]
-    launcher = [sys.executable, "-m", "distrib_tf.launch", f"--cluster_spec={cluster_spec}",
-                f"--max_restarts={max_restarts}", "--grace_period=5"]
-    if log_dir:
-        launcher.append(f"--log_dir={log_dir}")
-    return Job([*launcher, "--", *command], model_dir)
+    command = command or launch.main_job_command(model_dir, train_args or [])
+    return Job(launch.command_line(cluster_spec, command, max_restarts=max_restarts, grace_period=5,
+                                   log_dir=log_dir), model_dir)
 
 
 # Plots --------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ import subprocess
 import sys
 import time
 
+from distrib_tf import launch
 from distrib_tf.cluster import ClusterSpec
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -197,9 +198,9 @@ def _flags(values: dict) -> list[str]:
 def _start(trial: Trial, *, cluster_spec: str, extra: list[str]):
     os.makedirs(trial.model_dir, exist_ok=True)
     trial.log = open(os.path.join(trial.model_dir, "trial.log"), "a", encoding="utf-8")
-    command = [sys.executable, "-m", "distrib_tf.launch", f"--cluster_spec={cluster_spec}",
-               "--grace_period=5", "--", sys.executable, "-m", "distrib_tf.train",
-               f"--model_dir={trial.model_dir}", *extra, *_flags(trial.values)]
+    command = launch.command_line(
+        cluster_spec, launch.main_job_command(trial.model_dir, [*extra, *_flags(trial.values)]),
+        grace_period=5)
     trial.log.write(f"$ {shlex.join(command)}\n")
     trial.log.flush()
     trial.proc = subprocess.Popen(command, stdout=trial.log, stderr=subprocess.STDOUT,

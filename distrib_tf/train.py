@@ -32,6 +32,7 @@ from distrib_tf import cluster
 from distrib_tf import data
 from distrib_tf.models import MODELS
 from distrib_tf.models import build_model
+from distrib_tf.strategy import KINDS
 from distrib_tf.strategy import make_strategy
 from distrib_tf.strategy import strategy_name
 
@@ -80,8 +81,8 @@ class TrainConfig:
             _invalid("collective_timeout", self.collective_timeout, "a number of seconds > 0")
         if self.mixed_precision not in MIXED_PRECISION:
             _invalid("mixed_precision", self.mixed_precision, f"one of {', '.join(MIXED_PRECISION)}")
-        if self.strategy not in ("auto", "one_device", "mirrored", "multi_worker"):
-            _invalid("strategy", self.strategy, "one of auto, one_device, mirrored, multi_worker")
+        if self.strategy not in KINDS:
+            _invalid("strategy", self.strategy, f"one of {', '.join(KINDS)}")
 
 
 def _invalid(flag, value, expected):
