@@ -3,9 +3,12 @@
 Keras 3 (tested: `TESTED_KERAS`) on TensorFlow breaks under
 `MultiWorkerMirroredStrategy` in ways tf_keras did not (keras-team/keras#20585):
 
-1. `_maybe_symbolic_build` averages the first data batch with `strategy.reduce`,
-   which cannot take a structure of `PerReplica` values across workers. Fixed by
-   building from this worker's first replica's batch: only its shapes matter.
+1. `_maybe_symbolic_build` takes the first batch from the training iterator and
+   averages it with `strategy.reduce`, which cannot take a structure of `PerReplica`
+   values across workers; and the batch it takes is lost to training (under any
+   strategy), so the first step trains on the data's second batch. Fixed by building
+   from zeros shaped like one replica's batch (the iterator's `element_spec`): only
+   shapes and types matter, and no data is consumed.
 2. `reduce_per_replica` reduces logs with `strategy.reduce("MEAN", v, axis=0)`, which
    fails on scalar logs, and `strategy.reduce("SUM", v)` misses its `axis`. Fixed by
    reducing across replicas element-wise (`axis=None`), what both mean.
@@ -20,10 +23,17 @@ Keras 3 (tested: `TESTED_KERAS`) on TensorFlow breaks under
 6. `jit_compile=True` puts the cross-replica step inside XLA, which has no CPU
    collectives (the process aborts under several workers) and cannot span logical
    CPU devices: refused at `compile` when the replicas are on CPU.
+7. An embedding's gradient is a `tf.IndexedSlices` with one row per token looked up,
+   duplicates not summed; Keras's optimizers update such a gradient row by row, so
+   Adam squares each duplicate before summing them, and the sum over replicas adds
+   more duplicates: results change with the number of replicas (1% of the loss after
+   one step of the transformer on 2 replicas). Fixed by summing duplicates into a
+   dense gradient first, which is Adam's definition, on every layout.
 
 Each fix changes behaviour only in the case it names and otherwise calls the original.
-`apply()` installs them once per process; `make_strategy()` calls it whenever the
-strategy has more than one replica. Other Keras versions get a warning and no fixes.
+`apply()` installs them once per process; `make_strategy()` calls it for every
+strategy it builds (fixes 1 and 7 matter on one device too). Other Keras versions get
+a warning and no fixes.
 """
 
 import functools
@@ -35,6 +45,7 @@ import tempfile
 import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as _tf_trainer
+from keras.src.optimizers import base_optimizer as _base_optimizer
 from keras.src.trainers import trainer as _base_trainer
 
 logger = logging.getLogger("distrib_tf")
@@ -68,6 +79,7 @@ def _fixes():
             (callbacks.BackupAndRestore, "_save_model", _chief_only),
             (callbacks.BackupAndRestore, "on_train_end", _chief_only),
         ],
+        "dense_sparse_gradients": [(_base_optimizer.BaseOptimizer, "apply", _apply_dense)],
         "tensorboard": [
             (callbacks.TensorBoard, "set_model", _tensorboard_set_model),
             (callbacks.TensorBoard, "on_train_end", _tensorboard_on_train_end),
@@ -122,17 +134,17 @@ def _is_chief(model) -> bool:
 
 # Fix 1.
 def _maybe_symbolic_build(original, self, iterator=None, data_batch=None):
-    strategy = self._distribute_strategy  # pylint: disable=protected-access
-    if strategy is None or iterator is None or not _is_multi_worker(strategy):
+    if self._distribute_strategy is None or iterator is None:  # pylint: disable=protected-access
         return original(self, iterator=iterator, data_batch=data_batch)
-    for _, _, it in iterator:
-        data_batch = tf.nest.map_structure(
-            lambda x: strategy.experimental_local_results(x)[0]
-            if isinstance(x, tf.distribute.DistributedValues) else x,
-            next(it),
-        )
-        break
-    return original(self, data_batch=data_batch)
+    spec = iterator._distributed_dataset.element_spec  # pylint: disable=protected-access
+    return original(self, data_batch=tf.nest.map_structure(_zeros_like_spec, spec))
+
+
+def _zeros_like_spec(spec):
+    """One replica's batch of zeros: the shapes and types are all a build needs."""
+    if isinstance(spec, tf.distribute.DistributedValues) or hasattr(spec, "_value_specs"):
+        spec = spec._value_specs[0]  # pylint: disable=protected-access
+    return tf.zeros([1 if d is None else d for d in spec.shape], spec.dtype)
 
 
 # Fix 2.
@@ -194,3 +206,9 @@ def _tensorboard_on_train_end(original, self, logs=None):
         scratch = getattr(self, "_distrib_tf_scratch", None)
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+# Fix 7.
+def _apply_dense(original, self, grads, trainable_variables=None):
+    grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    return original(self, grads, trainable_variables)

@@ -1,36 +1,39 @@
-"""The callbacks of the main job: backup, checkpoints, TensorBoard, timing, progress.
+"""The callbacks of the main job: checkpoints, TensorBoard, timing, progress.
 
-Under several workers only the chief writes into `model_dir`: Keras's own
-`BackupAndRestore`, `ModelCheckpoint` and `TensorBoard` are made chief-aware by
-`distrib_tf._keras_compat`, so a user's own callbacks get the same behaviour.
+Every worker backs up its own state (`distrib_tf.backup.WorkerBackup`); only the chief
+writes what a user reads (`checkpoints/`, `logs/`). Keras's own `ModelCheckpoint`,
+`BackupAndRestore` and `TensorBoard` are made chief-aware by `distrib_tf._keras_compat`,
+so a user's own callbacks get the same behaviour.
 """
 
-import json
 import os
 import time
 
 import keras
 
+from distrib_tf import evaluator
 
-class BackupAndRestore(keras.callbacks.BackupAndRestore):
-    """Keras's `BackupAndRestore`, writing every backup atomically.
 
-    Weights and metadata go to temporary files that then replace the previous backup,
-    so a process killed while writing leaves the last good backup whole (Keras writes
-    in place). Only the chief writes, as `distrib_tf._keras_compat` makes Keras's own do.
+class ChiefCheckpoint(keras.callbacks.Callback):
+    """The chief writes `checkpoints/epochNNN.weights.h5` at every epoch end, atomically.
+
+    The weights go to a temporary file that is then renamed, so a side-car evaluator
+    never reads a checkpoint half-written. Other workers write nothing (Keras 3 saving
+    runs no collectives).
     """
 
-    def _save_model(self):
+    def __init__(self, model_dir: str):
+        super().__init__()
+        self.model_dir = model_dir
+
+    def on_epoch_end(self, epoch, logs=None):
         if not self.model.distribute_strategy.extended.should_checkpoint:
             return
-        os.makedirs(self.backup_dir, exist_ok=True)
-        weights = os.path.join(self.backup_dir, "writing.weights.h5")
-        metadata = self._training_metadata_path + ".writing"
-        self.model.save_weights(weights, overwrite=True)
-        with open(metadata, "w", encoding="utf-8") as f:
-            json.dump({"epoch": self._current_epoch, "batch": self._last_batch_seen}, f)
-        os.replace(weights, self._weights_path)
-        os.replace(metadata, self._training_metadata_path)
+        path = evaluator.checkpoint_path(self.model_dir, epoch + 1)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        writing = path[: -len(".weights.h5")] + ".writing.weights.h5"
+        self.model.save_weights(writing, overwrite=True)
+        os.replace(writing, path)
 
 
 class EpochTimer(keras.callbacks.Callback):
@@ -76,15 +79,13 @@ class EpochLine(keras.callbacks.Callback):
 
 
 def make_callbacks(model_dir: str, *, task: str, is_chief: bool, epochs: int,
-                   examples_per_epoch: int) -> list[keras.callbacks.Callback]:
-    """The main job's callbacks, writing under `model_dir` (the chief only)."""
+                   examples_per_epoch: int, worker_backup: keras.callbacks.Callback
+                   ) -> list[keras.callbacks.Callback]:
+    """The main job's callbacks: `worker_backup` on every worker, the rest chief-only."""
     callbacks = [
         EpochTimer(examples_per_epoch),
-        BackupAndRestore(os.path.join(model_dir, "backup")),
-        keras.callbacks.ModelCheckpoint(
-            os.path.join(model_dir, "checkpoints", "epoch{epoch:03d}.weights.h5"),
-            save_weights_only=True,
-        ),
+        worker_backup,
+        ChiefCheckpoint(model_dir),
         keras.callbacks.TensorBoard(os.path.join(model_dir, "logs"), write_graph=False),
     ]
     if not is_chief:

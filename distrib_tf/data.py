@@ -11,9 +11,10 @@ Registered datasets (`DATASETS`):
 - `tfrecord:DIR`: TFRecord shards written by `python -m distrib_tf.data prepare`.
 
 `make_dataset_fn()` returns the function that `strategy.distribute_datasets_from_function`
-calls once per input pipeline with a `tf.distribute.InputContext`. It shards by file
-when there are at least as many files as input pipelines, else by data, and says which
-in one log line; TensorFlow's own auto-sharding is switched off.
+calls once per input pipeline with a `tf.distribute.InputContext`: the order of the
+global batches is a function of the seed and the epoch only, and each replica takes its
+slice of every global batch, so results do not depend on the layout. TensorFlow's own
+auto-sharding is switched off.
 
 Example:
 
@@ -317,42 +318,50 @@ def steps_per_epoch(info: DatasetInfo, split: str, global_batch_size: int) -> in
     return steps
 
 
-def make_dataset_fn(info: DatasetInfo, split: str, *, global_batch_size: int, seed: int = 0):
+def make_dataset_fn(info: DatasetInfo, split: str, *, global_batch_size: int, seed: int = 0,
+                    start_step: int = 0):
     """Returns `dataset_fn(input_context)` for `distribute_datasets_from_function`.
 
-    Each input pipeline reads its own shard: whole files when the split has at least
-    as many TFRecord files as pipelines, else every n-th example. Training data is
-    cached, shuffled each epoch (non-deterministic order, for speed) and repeated;
-    evaluation data keeps its order. Batches are per-replica and full, so every
-    worker runs the same number of steps (see `steps_per_epoch`).
+    The order of the data does not depend on the layout: global step `s` trains on the
+    global batch `s mod S` (`S = steps_per_epoch`) of data epoch `s // S`, whose examples
+    are a permutation of the split that is a pure function of `(seed, epoch)` (test data
+    keeps its order). Each replica takes its contiguous slice of every global batch, so one
+    process, 2 replicas or 4 workers train on the same global batches in the same order.
+    Only example indices are shuffled and skipped: resuming at `start_step` reads no data
+    to skip what was consumed. Every pipeline holds the split in memory (as a cache would).
     """
     training = split == "train"
+    steps = steps_per_epoch(info, split, global_batch_size)
 
     def dataset_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        replicas = input_context.num_replicas_in_sync
         pipelines, index = input_context.num_input_pipelines, input_context.input_pipeline_id
-        batch = check_global_batch_size(global_batch_size, input_context.num_replicas_in_sync)
-        files = _shard_files(info, split) if info.name.startswith("tfrecord:") else []
-        if files and len(files) >= pipelines:
-            how = f"by file ({len(files)} files over {pipelines} input pipelines)"
-            dataset = tf.data.Dataset.from_tensor_slices(files[index::pipelines])
-            dataset = dataset.interleave(tf.data.TFRecordDataset, cycle_length=tf.data.AUTOTUNE,
-                                         num_parallel_calls=tf.data.AUTOTUNE, deterministic=not training)
-            dataset = dataset.map(_parse_record(info), num_parallel_calls=tf.data.AUTOTUNE)
-        else:
-            how = f"by data (example {index} of every {pipelines}; {len(files)} files)"
-            dataset = load_source(info, split).shard(pipelines, index)
-        logger.info("%s %s: input pipeline %d of %d reads its shard %s", info.name, split,
-                    index, pipelines, how)
+        batch = check_global_batch_size(global_batch_size, replicas)
+        local = replicas // pipelines  # Replicas fed by this pipeline, one batch each in turn.
+        examples = load_source(info, split).batch(info.num_examples[split]).get_single_element()
+
+        def epoch_batches(epoch):
+            order = tf.range(info.num_examples[split], dtype=tf.int64)
+            if training:
+                order = tf.random.experimental.stateless_shuffle(order, seed=tf.stack([seed, epoch]))
+            order = tf.reshape(order[:steps * global_batch_size], [steps, pipelines, local, batch])
+            return tf.reshape(order[:, index], [steps * local, batch])
+
+        first_epoch, skip = divmod(start_step, steps)
+        dataset = tf.data.Dataset.range(first_epoch, _FOREVER).map(epoch_batches).unbatch()
+        dataset = dataset.skip(skip * local).map(
+            lambda ids: tf.nest.map_structure(lambda t: tf.gather(t, ids), examples),
+            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        logger.info("%s %s: input pipeline %d of %d takes its %d replica slice(s) of every "
+                    "global batch", info.name, split, index, pipelines, local)
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-        options.deterministic = not training
-        dataset = dataset.with_options(options).cache()
-        if training:
-            dataset = dataset.shuffle(4096, seed=seed + index, reshuffle_each_iteration=True)
-        dataset = dataset.repeat().batch(batch, drop_remainder=True)
-        return dataset.prefetch(tf.data.AUTOTUNE)
+        return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
 
     return dataset_fn
+
+
+_FOREVER = 2**62  # Data epochs: the pipeline never ends; Keras counts the steps.
 
 
 def main(argv=None) -> int:

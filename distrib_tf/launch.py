@@ -29,13 +29,23 @@ to one file per task (`worker_1.log`, appended across restarts).
 
 Failures: when a task exits non-zero or is killed, the others are stopped (SIGTERM,
 then SIGKILL after `--grace_period`: multi-worker TensorFlow can ignore SIGTERM) and,
-while restarts remain, the group starts again; the job resumes from its backup. The
-root cause is reported: the task that failed first, its exit code or signal, and its
-last lines of output. Ctrl-C or SIGTERM stops the whole group. If the launcher itself
-is killed, the kernel kills its tasks (Linux parent-death signal).
+while restarts remain, the group starts again; the job resumes from its backup. A task
+that exits with 2 (bad input) is not restarted: it would fail again. The root cause is
+reported: the task that failed first, its exit code or signal, and its last lines of
+output. If the launcher itself is killed, the kernel kills its tasks (Linux parent-death
+signal).
+
+Preemption: SIGTERM to the launcher (Slurm's and Kubernetes' notice) is forwarded to
+every task; the main job's workers then agree on one step, each backs it up and exits
+with 75 (`distrib_tf.preemption`), and the launcher exits with 75: started again, the
+job resumes at that step. A task that exits with 75 on its own (it got the SIGTERM)
+ends the launch the same way. Ctrl-C stops the whole group the same way and exits 130.
+Signal handlers only record the signal; the supervision loop acts on it.
 
 Exit codes: 0 every task succeeded; 1 a task failed and no restarts remain; 2 bad
-input (nothing started); 130 interrupted by Ctrl-C or SIGTERM.
+input (nothing started, or a task reported bad input); 75 preempted, the state is
+saved, start again to resume; 130 interrupted by Ctrl-C (or SIGTERM to a job that
+did not save).
 
 This module imports no TensorFlow.
 """
@@ -61,7 +71,7 @@ from distrib_tf.cluster import load_slurm_cluster
 from distrib_tf.cluster import parse_task
 from distrib_tf.cluster import split_address
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 75, 130
 TAIL_LINES = 20
 
 
@@ -234,8 +244,10 @@ class _Group:
             return TaskExit(next(iter(codes)), 0, [])
         return None
 
-    def stop(self, grace_period: float):
-        """SIGTERM every live task's process group; SIGKILL what is left after the grace."""
+    def stop(self, grace_period: float) -> list[int]:
+        """SIGTERM every live task's process group; SIGKILL what is left after the grace.
+
+        Returns the tasks' exit codes."""
         for proc in self.procs.values():
             _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + grace_period
@@ -247,6 +259,7 @@ class _Group:
         for proc in self.procs.values():
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
+        return [proc.returncode for proc in self.procs.values()]
 
     def finish(self, failure: TaskExit | None) -> TaskExit | None:
         for pump in self.pumps:
@@ -269,51 +282,60 @@ def _say(message: str, out_lock: threading.Lock):
         sys.stdout.flush()
 
 
-class _Interrupted(Exception):
-    pass
-
-
 def run(config: LaunchConfig) -> LaunchResult:
     """Runs the job to success, or until restarts are exhausted or it is interrupted."""
     out_lock = threading.Lock()
     if config.log_dir:
         os.makedirs(config.log_dir, exist_ok=True)
     _protect_network(config, out_lock)
+    received: list[int] = []  # Signals, recorded by the handler, acted on by the loop.
 
-    def interrupt(signum, frame):
-        raise _Interrupted(signal.Signals(signum).name)
+    def record(signum, frame):
+        received.append(signum)
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, record) for sig in (signal.SIGINT, signal.SIGTERM)}
     first_failure = None
     attempt = 0
     try:
         for attempt in range(1, config.max_restarts + 2):
-            group = None
-            try:
-                spec = config.spec.with_free_ports()
-                group = _Group(config, spec, out_lock)
-                while (ended := group.first_exit()) is None:
-                    time.sleep(0.1)
-            except _Interrupted as e:
-                _say(f"{e}: stopping every task", out_lock)
-                if group is not None:
-                    signal.signal(signal.SIGINT, signal.SIG_IGN)
-                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-                    group.stop(config.grace_period)
-                    group.finish(None)
-                return LaunchResult(EXIT_INTERRUPTED, attempt, first_failure)
+            group = _Group(config, config.spec.with_free_ports(), out_lock)
+            while (ended := group.first_exit()) is None and not received:
+                time.sleep(0.1)
+            if received:
+                return _stop_on_signal(group, received[0], config, attempt, first_failure, out_lock)
             if ended.returncode == 0:
                 group.finish(None)
                 _say(f"every task succeeded (attempt {attempt})", out_lock)
                 return LaunchResult(EXIT_OK, attempt, first_failure)
             group.stop(config.grace_period)
             failure = group.finish(ended)
+            if ended.returncode == EXIT_PREEMPTED:
+                _say(f"{failure.task} was preempted: every worker saved its state; start the "
+                     "job again to resume", out_lock)
+                return LaunchResult(EXIT_PREEMPTED, attempt, first_failure)
             first_failure = first_failure or failure
+            if received:
+                return _stop_on_signal(group, received[0], config, attempt, first_failure, out_lock)
+            if ended.returncode == EXIT_USAGE:
+                _report(failure, attempt, 0, out_lock)
+                return LaunchResult(EXIT_USAGE, attempt, first_failure)
             _report(failure, attempt, config.max_restarts, out_lock)
         return LaunchResult(EXIT_FAILED, attempt, first_failure)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _stop_on_signal(group, signum, config, attempt, first_failure, out_lock) -> LaunchResult:
+    """SIGTERM (then SIGKILL) to every task; 75 if the job saved its state on SIGTERM."""
+    _say(f"{signal.Signals(signum).name}: stopping every task (SIGTERM: a preemption, "
+         "the main job saves first)", out_lock)
+    codes = group.stop(config.grace_period)
+    group.finish(None)
+    if signum == signal.SIGTERM and EXIT_PREEMPTED in codes:
+        _say("preempted: every worker saved its state; start the job again to resume", out_lock)
+        return LaunchResult(EXIT_PREEMPTED, attempt, first_failure)
+    return LaunchResult(EXIT_INTERRUPTED, attempt, first_failure)
 
 
 def _protect_network(config: LaunchConfig, out_lock):

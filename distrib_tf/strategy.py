@@ -2,13 +2,13 @@
 
 Which strategy `make_strategy()` builds, by precedence:
 
-1. an explicit `kind` other than `"auto"`;
+1. an explicit `kind` other than `"auto"` (a local kind is refused for a training
+   task of a `TF_CONFIG` with several: it would train separate copies);
 2. `TF_CONFIG` naming more than one training task: `MultiWorkerMirroredStrategy`;
 3. more than one visible GPU, or `cpu_replicas > 1`: `MirroredStrategy`;
 4. otherwise `OneDeviceStrategy` on the first GPU, else the CPU.
 
-When the strategy has more than one replica, the Keras 3 fixes of
-`distrib_tf._keras_compat` are applied, so `model.fit`, `evaluate` and `predict` work
+The Keras 3 fixes of `distrib_tf._keras_compat` are applied, so `model.fit`, `evaluate` and `predict` work
 under it. `TF_CONFIG` is validated first: a wrong one is a one-line `ClusterSpecError`,
 never a TensorFlow hang.
 
@@ -139,6 +139,7 @@ def make_strategy(
         timeout_seconds=timeout_seconds,
     )
     tf_config = cluster.load_tf_config()
+    _check_layout(options.kind, tf_config)
     kind = options.kind
     if kind == "auto":
         kind = _auto_kind(tf_config, options)
@@ -148,10 +149,23 @@ def make_strategy(
         strategy = _make_mirrored(options)
     else:
         strategy = _make_one_device()
-    if strategy.num_replicas_in_sync > 1:
-        _keras_compat.apply()
+    _keras_compat.apply()
     logger.info(describe_strategy(strategy))
     return strategy
+
+
+def _check_layout(kind: str, tf_config) -> None:
+    """Refuses a local `kind` for a training task of a cluster (N trainings, one model_dir)."""
+    if tf_config is None or kind in ("auto", "multi_worker"):
+        return
+    spec, task = tf_config
+    if spec.num_workers > 1 and task.type != "evaluator":
+        raise ValueError(
+            f"Invalid value for argument `kind`. Received: kind={kind!r} while TF_CONFIG "
+            f"names {spec.num_workers} training tasks (this is {task}). Expected 'auto' or "
+            f"'multi_worker': {kind!r} would train {spec.num_workers} separate copies that "
+            "all write as chief. Unset TF_CONFIG to train on this host alone."
+        )
 
 
 def _auto_kind(tf_config, options: StrategyOptions) -> str:

@@ -8,14 +8,16 @@ Usage:
 With no flags it trains the CNN on the offline `shapes` dataset; `--model=transformer`
 uses the offline `tokens` dataset. It reads `TF_CONFIG` when set, so the same command
 runs as every worker of a cluster (see `distrib_tf.launch`). Under `model_dir`:
-`backup/` (a restarted job resumes from it), `checkpoints/`, `logs/` (TensorBoard) and
-`summary.json`, all written by the chief only.
+`backup/<task>/` on every worker's own disk (a restarted job resumes from it, see
+`distrib_tf.backup`); `checkpoints/`, `logs/` (TensorBoard) and `summary.json`, written
+by the chief only; `eval/`, written by an `evaluator` task only (`distrib_tf.evaluator`).
 
 Bad flags print one line and exit with code 2. This module only parses flags: the work
 is `train_and_evaluate(config, model_dir)`, which a notebook can call too.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -27,9 +29,12 @@ from absl import app
 from absl import flags
 from absl import logging as absl_logging
 
+from distrib_tf import backup
 from distrib_tf import callbacks as callbacks_lib
 from distrib_tf import cluster
 from distrib_tf import data
+from distrib_tf import evaluator
+from distrib_tf import preemption
 from distrib_tf.models import MODELS
 from distrib_tf.models import build_model
 from distrib_tf.strategy import KINDS
@@ -64,6 +69,7 @@ class TrainConfig:
     seed: int = 0
     steps_per_epoch: int | None = None
     collective_timeout: float | None = None
+    backup_every_steps: int | None = None
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -72,7 +78,7 @@ class TrainConfig:
             object.__setattr__(self, "dataset", DEFAULT_DATASETS[self.model])
         for name in ("epochs", "global_batch_size"):
             _check_positive_int(name, getattr(self, name))
-        for name in ("cpu_replicas", "steps_per_epoch"):
+        for name in ("cpu_replicas", "steps_per_epoch", "backup_every_steps"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         if not self.learning_rate > 0:
@@ -83,6 +89,15 @@ class TrainConfig:
             _invalid("mixed_precision", self.mixed_precision, f"one of {', '.join(MIXED_PRECISION)}")
         if self.strategy not in KINDS:
             _invalid("strategy", self.strategy, f"one of {', '.join(KINDS)}")
+
+
+    def run_id(self) -> str:
+        """What a backup must match to be resumed: every field that changes the math."""
+        fields = dataclasses.asdict(self)
+        for name in ("epochs", "data_dir", "strategy", "cpu_replicas", "collective_timeout",
+                     "backup_every_steps"):
+            fields.pop(name)
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _invalid(flag, value, expected):
@@ -103,11 +118,12 @@ class Job:
     strategy: object
     strategy_name: str
     info: object
-    task: str
+    task: str  # `chief:0` for a job of one process.
     workers: int
     is_chief: bool
     steps_per_epoch: int
     validation_steps: int
+    is_evaluator: bool = False
 
 
 def prepare_job(config: TrainConfig, model_dir: str) -> Job:
@@ -128,27 +144,21 @@ def prepare_job(config: TrainConfig, model_dir: str) -> Job:
     data.check_global_batch_size(config.global_batch_size, strategy.num_replicas_in_sync)
     steps = config.steps_per_epoch or data.steps_per_epoch(info, "train", config.global_batch_size)
     validation_steps = data.steps_per_epoch(info, "test", config.global_batch_size)
-    resolver = getattr(strategy, "cluster_resolver", None)
+    tf_config = cluster.load_tf_config()
     multi_worker = strategy_name(strategy) == "MultiWorkerMirroredStrategy"
-    task = f"{resolver.task_type}:{resolver.task_id}" if multi_worker else "chief"
-    workers = cluster.load_tf_config()[0].num_workers if multi_worker else 1
+    if tf_config is not None and tf_config[1].type == "evaluator":
+        return Job(config, model_dir, strategy, strategy_name(strategy), info,
+                   str(tf_config[1]), tf_config[0].num_workers, False, steps,
+                   validation_steps, is_evaluator=True)
+    resolver = strategy.cluster_resolver if multi_worker else None
+    task = f"{resolver.task_type}:{resolver.task_id}" if multi_worker else "chief:0"
+    workers = tf_config[0].num_workers if multi_worker else 1
     return Job(config, model_dir, strategy, strategy_name(strategy), info, task, workers,
                strategy.extended.should_checkpoint, steps, validation_steps)
 
 
-def run_job(job: Job) -> dict:
-    """Trains and evaluates; returns the summary (written to `summary.json` by the chief)."""
-    config, strategy, info = job.config, job.strategy, job.info
-    started = time.time()
-    keras.utils.set_random_seed(config.seed)
-    keras.mixed_precision.set_global_policy(MIXED_PRECISION[config.mixed_precision])
-    if job.is_chief:
-        os.makedirs(job.model_dir, mode=0o700, exist_ok=True)
-
-    def distributed(split):
-        return strategy.distribute_datasets_from_function(data.make_dataset_fn(
-            info, split, global_batch_size=config.global_batch_size, seed=config.seed))
-
+def build_compiled_model(config: TrainConfig, info, strategy):
+    """The job's model, built and compiled under `strategy.scope()`."""
     with strategy.scope():
         if config.model == "cnn":
             model = build_model("cnn", input_shape=info.input_shape, num_classes=info.num_classes)
@@ -160,17 +170,66 @@ def run_job(job: Job) -> dict:
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
         )
+    return model
+
+
+def run_job(job: Job) -> dict:
+    """Trains and evaluates; returns the summary (written to `summary.json` by the chief).
+
+    Every worker first agrees on the step to resume from (`distrib_tf.backup`); a run
+    resumed mid-epoch finishes that epoch's remaining steps, then goes on by epochs.
+    An evaluator task trains nothing: it evaluates the chief's checkpoints.
+    """
+    config, strategy, info = job.config, job.strategy, job.info
+    started = time.time()
+    keras.utils.set_random_seed(config.seed)
+    keras.mixed_precision.set_global_policy(MIXED_PRECISION[config.mixed_precision])
+
+    def distributed(split, start_step=0):
+        return strategy.distribute_datasets_from_function(data.make_dataset_fn(
+            info, split, global_batch_size=config.global_batch_size, seed=config.seed,
+            start_step=start_step))
+
+    model = build_compiled_model(config, info, strategy)
+    if job.is_evaluator:
+        results = evaluator.evaluate_checkpoints(
+            model, distributed("test"), steps=job.validation_steps, model_dir=job.model_dir,
+            last_epoch=config.epochs)
+        return {"evaluator": results}
+    if job.is_chief:
+        os.makedirs(job.model_dir, mode=0o700, exist_ok=True)
+    backup_dir = os.path.join(job.model_dir, "backup", backup.task_dirname(job.task))
+    start_step = backup.agree_on_resume(model, backup_dir, run=config.run_id(), task=job.task)
+    if start_step:
+        print(f"{job.task} resumes at step {start_step} (epoch {start_step // job.steps_per_epoch + 1}, "
+              f"step {start_step % job.steps_per_epoch} of it) from {backup_dir}", flush=True)
+    worker_backup = backup.WorkerBackup(
+        backup_dir, run=config.run_id(), task=job.task, steps_per_epoch=job.steps_per_epoch,
+        every_steps=config.backup_every_steps)
     callbacks = callbacks_lib.make_callbacks(
         job.model_dir, task=job.task, is_chief=job.is_chief, epochs=config.epochs,
-        examples_per_epoch=job.steps_per_epoch * config.global_batch_size)
+        examples_per_epoch=job.steps_per_epoch * config.global_batch_size,
+        worker_backup=worker_backup)
+    callbacks.insert(callbacks.index(worker_backup) + 1, preemption.SaveOnPreemption(worker_backup))
     verbose = (1 if sys.stdout.isatty() else 2) if job.is_chief else 0
-    history = model.fit(
-        distributed("train"), epochs=config.epochs, steps_per_epoch=job.steps_per_epoch,
-        validation_data=distributed("test"), validation_steps=job.validation_steps,
-        callbacks=callbacks, verbose=verbose, shuffle=False,  # The pipeline shuffles.
-    )
+    history, epochs = {}, []
+    step, last_step = start_step, config.epochs * job.steps_per_epoch
+    while step < last_step:
+        epoch, done = divmod(step, job.steps_per_epoch)
+        until = epoch + 1 if done else config.epochs  # A partial epoch alone, then the rest.
+        fitted = model.fit(
+            distributed("train", step), initial_epoch=epoch, epochs=until,
+            steps_per_epoch=job.steps_per_epoch - done,
+            validation_data=distributed("test"), validation_steps=job.validation_steps,
+            callbacks=callbacks, verbose=verbose, shuffle=False,  # The pipeline shuffles.
+        )
+        for key, values in fitted.history.items():
+            history.setdefault(key, []).extend(values)
+        epochs += fitted.epoch
+        step = until * job.steps_per_epoch
     final = model.evaluate(distributed("test"), steps=job.validation_steps,
                            return_dict=True, verbose=0)
+    backup.remove_backups(backup_dir)
     timer = callbacks[0]
     summary = {
         "config": dataclasses.asdict(config),
@@ -178,16 +237,24 @@ def run_job(job: Job) -> dict:
         "strategy": job.strategy_name,
         "workers": job.workers,
         "replicas": strategy.num_replicas_in_sync,
-        "epochs": [{"epoch": epoch + 1, **{k: float(v[i]) for k, v in history.history.items()}}
-                   for i, epoch in enumerate(history.epoch)],
+        "resumed_at_step": start_step,
+        "epochs": [{"epoch": epoch + 1, **{k: float(v[i]) for k, v in history.items()}}
+                   for i, epoch in enumerate(epochs)],
         "final": {k: float(v) for k, v in final.items()},
         "examples_per_second": _steady_rate(timer.seconds, timer.examples_per_epoch),
         "wall_seconds": time.time() - started,
         "first_step_unix_time": timer.first_step_at,
+        "weights_sha256": _fingerprint(model),
     }
+    # Every worker: identical weights on all of them is the point of synchronous training.
+    print(f"{job.task} final weights sha256 {summary['weights_sha256']}", flush=True)
     if job.is_chief:
         _write_json_atomically(os.path.join(job.model_dir, "summary.json"), summary)
     return summary
+
+
+def _fingerprint(model) -> str:
+    return hashlib.sha256(b"".join(w.tobytes() for w in model.get_weights())).hexdigest()[:16]
 
 
 def _steady_rate(seconds: list[float], examples: int) -> float | None:
@@ -235,6 +302,8 @@ def define_flags():
     flags.DEFINE_integer("seed", 0, "Random seed.")
     flags.DEFINE_integer("steps_per_epoch", None, "Steps per epoch (default: one pass).")
     flags.DEFINE_float("collective_timeout", None, "Seconds before a stuck all-reduce fails.")
+    flags.DEFINE_integer("backup_every_steps", None,
+                         "Back up every N global steps too (default: at epoch ends only).")
 
 
 def config_from_flags() -> TrainConfig:
@@ -264,7 +333,16 @@ def main(argv):
         job = prepare_job(config, FLAGS.model_dir or os.path.join("runs", config.model))
     except (ValueError, FileNotFoundError) as e:  # ClusterSpecError is a ValueError.
         _fail(str(e))
-    summary = run_job(job)
+    if not job.is_evaluator:
+        preemption.install_sigterm_handler()
+    try:
+        summary = run_job(job)
+    except backup.ResumeError as e:
+        _fail(str(e))
+    except preemption.Preempted as e:
+        print(f"{job.task} preempted: backed up step {e.step} like every worker; start the job "
+              f"again to resume there (exit code {preemption.EXIT_PREEMPTED})", flush=True)
+        sys.exit(preemption.EXIT_PREEMPTED)
     if job.is_chief:
         print(f"final accuracy {summary['final']['accuracy']:.4f} "
               f"(chance {1 / job.info.num_classes:.4f}) on {config.dataset} test; "

@@ -1,7 +1,9 @@
 """Start the tasks of a cluster spec as local processes, each with its own TF_CONFIG."""
 
 import dataclasses
+import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -88,3 +90,32 @@ def start_and_wait_for(cmd, out, *, marker: str, count: int, env=None, timeout: 
     proc.kill()
     proc.wait()
     raise AssertionError(f"{marker!r} did not appear {count} times in {timeout} s:\n{text[-3000:]}")
+
+
+def latest_backup(model_dir, task: str = "*") -> dict | None:
+    """The metadata of the newest backup that `task` (`worker-1`, `chief-0`; any) holds."""
+    found = [json.loads(p.read_text()) for p in pathlib.Path(model_dir).glob(f"backup/{task}/step-*.json")]
+    return max(found, key=lambda m: m["step"]) if found else None
+
+
+def checkpoint_arrays(path) -> dict:
+    """Every array of a Keras `.weights.h5` file, by its path inside the file."""
+    import h5py  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    arrays = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, item: arrays.__setitem__(name, np.array(item))
+                     if isinstance(item, h5py.Dataset) else None)
+    return arrays
+
+
+def weights_difference(got: dict, expected: dict) -> float:
+    """`|got - expected| / |expected|` over all model arrays (L2; optimizer slots left out)."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    assert got.keys() == expected.keys()
+    names = [name for name in expected if not name.startswith("optimizer")]
+    difference = sum(float(np.sum((got[n].astype(np.float64) - expected[n]) ** 2)) for n in names)
+    size = sum(float(np.sum(expected[n].astype(np.float64) ** 2)) for n in names)
+    return (difference / size) ** 0.5

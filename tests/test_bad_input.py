@@ -38,8 +38,8 @@ def _one_error_line(result, prog):
 def existing_model_dir(tmp_path):
     """A model_dir with a run in it; returns a function that checks it is untouched."""
     model_dir = tmp_path / "run"
-    (model_dir / "backup").mkdir(parents=True)
-    (model_dir / "backup" / "training_metadata.json").write_text('{"epoch": 2, "batch": 0}')
+    (model_dir / "backup" / "chief-0").mkdir(parents=True)
+    (model_dir / "backup" / "chief-0" / "step-000000040.json").write_text('{"step": 40}')
     (model_dir / "summary.json").write_text("{}")
 
     def snapshot():
@@ -87,3 +87,48 @@ def test_bad_launch_arguments(case):
 
 def test_corpus_is_large_enough():
     assert sum(len(v) for v in CORPUS.values() if isinstance(v, list)) >= 30
+
+
+@pytest.mark.parametrize("case", CORPUS["layouts"], ids=lambda c: " ".join(c["flags"]))
+def test_local_strategy_under_a_cluster_is_refused(existing_model_dir, case):
+    result = _run(["distrib_tf.train", *case["flags"], f"--model_dir={existing_model_dir}"],
+                  env={"TF_CONFIG": json.dumps(case["tf_config"])})
+    assert case["error"] in _one_error_line(result, "distrib-tf-train")
+
+
+def _backup(model_dir, task, run, step=40):
+    folder = model_dir / "backup" / task
+    folder.mkdir(parents=True)
+    (folder / f"step-{step:09d}.weights.h5").write_bytes(b"weights")
+    (folder / f"step-{step:09d}.json").write_text(json.dumps({"run": run, "step": step}))
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("worker1, error", [
+    ("missing", "Cannot resume: worker:1 holds no backup in its model_dir/backup/ while worker:0 holds step 40."),
+    ("partial", "Cannot resume: worker:1 holds no backup in its model_dir/backup/ while worker:0 holds step 40."),
+    ("foreign", "Cannot resume: worker:1 holds a backup of a different run"),
+])
+def test_backups_that_do_not_agree_stop_every_worker(tmp_path, worker1, error):
+    from cluster_runner import local_spec  # pylint: disable=import-outside-toplevel
+    from cluster_runner import run_cluster  # pylint: disable=import-outside-toplevel
+    from distrib_tf.train import TrainConfig  # pylint: disable=import-outside-toplevel
+
+    model_dir = tmp_path / "run"
+    flags = ["--epochs=2", "--steps_per_epoch=40"]
+    run = TrainConfig(epochs=2, steps_per_epoch=40).run_id()
+    _backup(model_dir, "worker-0", run)
+    if worker1 == "partial":  # Killed while writing: weights without their metadata.
+        (model_dir / "backup" / "worker-1").mkdir()
+        (model_dir / "backup" / "worker-1" / "step-000000040.weights.h5").write_bytes(b"torn")
+    elif worker1 == "foreign":
+        _backup(model_dir, "worker-1", "another-run")
+    before = sorted((str(p), p.read_bytes()) for p in model_dir.rglob("*") if p.is_file())
+    results = run_cluster(["-m", "distrib_tf.train", *flags, f"--model_dir={model_dir}"],
+                          spec=local_spec(2), env={"PYTHONPATH": ROOT}, timeout=180)
+    for result in results:
+        assert result.returncode == 2, (result.task, result.output[-2000:])
+        lines = [line for line in result.output.splitlines() if line.startswith("distrib-tf-train: error: ")]
+        assert len(lines) == 1 and error in lines[0], result.output[-2000:]
+        assert "Traceback" not in result.output
+    assert sorted((str(p), p.read_bytes()) for p in model_dir.rglob("*") if p.is_file()) == before

@@ -96,18 +96,35 @@ def test_tfrecords_read_back_the_same_examples(tokens_tfrecords):
     assert sorted(_fingerprints(data.load_source(info, "test").batch(256), 8)) == original
 
 
-@pytest.mark.parametrize("pipelines, how", [(2, "by file"), (4, "by file"), (8, "by data")])
-def test_file_or_data_sharding_covers_every_example_once(tokens_tfrecords, caplog, pipelines, how):
+@pytest.mark.parametrize("pipelines, replicas", [(1, 2), (2, 2), (2, 4), (4, 4)])
+def test_every_layout_trains_on_the_same_global_batches(tokens_tfrecords, pipelines, replicas):
+    """Replica r of any layout gets slice r of the one-process global batch, step by step."""
     info = data.load_info(f"tfrecord:{tokens_tfrecords}")
-    dataset_fn = data.make_dataset_fn(info, "train", global_batch_size=8 * pipelines)
-    steps = data.steps_per_epoch(info, "train", 8 * pipelines)
-    seen = []
-    with caplog.at_level("INFO", logger="distrib_tf"):
-        for index in range(pipelines):
-            context = tf.distribute.InputContext(pipelines, index, pipelines)
-            seen += _fingerprints(dataset_fn(context), steps)
-    assert f"reads its shard {how}" in caplog.text
-    assert len(seen) == len(set(seen)) == info.num_examples["train"]
+    steps = data.steps_per_epoch(info, "train", 32)
+    one = data.make_dataset_fn(info, "train", global_batch_size=32, seed=3)(tf.distribute.InputContext())
+    reference = [x.numpy() for x, _ in one.take(steps + 2)]  # Into the second epoch.
+    dataset_fn = data.make_dataset_fn(info, "train", global_batch_size=32, seed=3)
+    per_pipeline = [list(dataset_fn(tf.distribute.InputContext(pipelines, index, replicas))
+                         .take((steps + 2) * replicas // pipelines).as_numpy_iterator())
+                    for index in range(pipelines)]
+    local = replicas // pipelines
+    for step, expected in enumerate(reference):
+        got = np.concatenate([per_pipeline[p][step * local + r][0]
+                              for p in range(pipelines) for r in range(local)])
+        np.testing.assert_array_equal(got, expected)
+    assert len({_digest(row) for batch in reference[:steps] for row in batch}) == steps * 32
+    assert not np.array_equal(reference[0], reference[steps])  # Each epoch its own order.
+
+
+def test_resuming_at_a_step_continues_the_same_stream():
+    info = data.load_info("shapes")
+    dataset_fn = data.make_dataset_fn(info, "train", global_batch_size=64, seed=1)
+    steps = data.steps_per_epoch(info, "train", 64)
+    whole = [x for x, _ in dataset_fn(tf.distribute.InputContext()).take(steps + 5).as_numpy_iterator()]
+    resumed_fn = data.make_dataset_fn(info, "train", global_batch_size=64, seed=1, start_step=steps - 3)
+    resumed = [x for x, _ in resumed_fn(tf.distribute.InputContext()).take(8).as_numpy_iterator()]
+    for a, b in zip(resumed, whole[steps - 3:]):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.multiworker

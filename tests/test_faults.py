@@ -17,6 +17,7 @@ import pytest
 
 import netns
 from cluster_runner import QUIET_TF
+from cluster_runner import latest_backup
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
@@ -48,7 +49,8 @@ def kill_trial(tmp_path, rng: random.Random, timeout: float = 300) -> dict:
             text = _read(out)
             pids = [int(p) for p in re.findall(r"started \S+ \(pid (\d+)\)", text)]
             completed = len(re.findall(r"^\[worker:1\] worker:1 epoch \d+/", text, re.M))
-            if len(pids) == 2 and proc.poll() is None:
+            killed = len(pids) == 2 and proc.poll() is None
+            if killed:
                 os.kill(pids[victim], signal.SIGKILL)
             code = proc.wait(timeout=timeout)
             hung = False
@@ -61,10 +63,12 @@ def kill_trial(tmp_path, rng: random.Random, timeout: float = 300) -> dict:
         trained = [e["epoch"] for e in json.loads((model_dir / "summary.json").read_text())["epochs"]]
     return {
         "victim": f"worker:{victim}",
+        "killed": killed,
         "completed_before_kill": completed,
         "exit_code": code,
         "hung": hung,
         "restarted": "restarting the group" in text,
+        "first_failure": "".join(re.findall(r"attempt 1: (.*) first;", text)),
         "epochs_after_restart": trained,
         # Whole epochs trained twice: those finished before the kill but not restored.
         "epochs_lost": max(completed - (trained[0] - 1), 0) if trained else None,
@@ -73,13 +77,17 @@ def kill_trial(tmp_path, rng: random.Random, timeout: float = 300) -> dict:
 
 
 def _check(trial):
+    assert trial["killed"], trial  # The fault happened: the job was running when it struck.
+    assert trial["restarted"] and f"{trial['victim']} was killed by SIGKILL" in trial["first_failure"], trial
     assert not trial["hung"] and trial["exit_code"] == 0, trial
     assert trial["epochs_after_restart"] and trial["epochs_after_restart"][-1] == EPOCHS, trial
     assert trial["epochs_lost"] <= 1, trial
 
 
 def test_worker_killed_at_a_random_moment(tmp_path):
-    _check(kill_trial(tmp_path, random.Random(os.getpid())))
+    seed = int(os.environ.get("DISTRIB_TF_FAULT_SEED", os.getpid()))
+    print(f"random kill: seed {seed} (DISTRIB_TF_FAULT_SEED={seed} repeats it)", flush=True)
+    _check(kill_trial(tmp_path, random.Random(seed)))
 
 
 @pytest.mark.slow
@@ -125,11 +133,10 @@ def test_host_cut_off_fails_within_the_timeout_and_comes_back(tmp_path):
             for (name, _), out in zip(hosts, outs)
         ]
         try:
-            metadata = model_dir / "backup" / "training_metadata.json"
             deadline = time.monotonic() + 180
-            while not metadata.exists() and time.monotonic() < deadline:
+            while not latest_backup(model_dir) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            assert metadata.exists(), _read(outs[0])[-3000:]
+            assert latest_backup(model_dir), _read(outs[0])[-3000:]
             netns.set_link(hosts, up=False)
             cut = time.monotonic()
             while "first; restarting the group" not in _read(outs[0]) and time.monotonic() - cut < 60:

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from cluster_runner import QUIET_TF
+from cluster_runner import latest_backup
 from cluster_runner import start_and_wait_for
 from distrib_tf import launch
 from distrib_tf.cluster import ClusterSpec
@@ -138,15 +139,14 @@ def test_killed_worker_is_restarted_and_the_job_resumes(tmp_path):
                        "--steps_per_epoch=40", f"--model_dir={model_dir}",
                        options=["--max_restarts=1", "--grace_period=3", "--collective_timeout=20"]),
             env=ENV, stdout=out, stderr=subprocess.STDOUT)
-        metadata = model_dir / "backup" / "training_metadata.json"
         deadline = time.monotonic() + 240
-        while not metadata.exists() and time.monotonic() < deadline and proc.poll() is None:
+        while not latest_backup(model_dir, "worker-1") and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
-        assert metadata.exists(), "no backup before the deadline"
+        assert latest_backup(model_dir, "worker-1"), "no backup before the deadline"
         time.sleep(1.0)  # In the middle of the next epoch.
         out.seek(0)
         os.kill(_pids(out.read())[1], signal.SIGKILL)
-        done = json.loads(metadata.read_text())["epoch"]
+        done = latest_backup(model_dir, "worker-1")["epoch"]
         assert proc.wait(timeout=300) == 0
         out.seek(0)
         text = out.read()

@@ -44,12 +44,21 @@ def test_auto_with_cpu_replicas_is_mirrored():
     assert describe(cpu_replicas=3)["replicas"] == 3
 
 
-def test_explicit_kind_wins_over_tf_config():
-    spec = local_spec(2).with_free_ports()
-    single = run_single([DESCRIBE, json.dumps({"kind": "one_device"})],
+def test_explicit_kind_wins_over_a_one_task_tf_config():
+    spec = local_spec(1).with_free_ports()
+    single = run_single([DESCRIBE, json.dumps({"kind": "mirrored", "cpu_replicas": 2})],
                         env={**ENV, "TF_CONFIG": spec.tf_config(spec.tasks[0])})
     check_ok([single])
-    assert json.loads(single.output.strip().splitlines()[-1])["class"] == "OneDeviceStrategy"
+    assert json.loads(single.output.strip().splitlines()[-1])["class"] == "MirroredStrategy"
+
+
+def test_local_kind_for_a_task_of_several_is_refused():
+    spec = local_spec(2).with_free_ports()
+    single = run_single([DESCRIBE, json.dumps({"kind": "one_device"})],
+                        env={**ENV, "TF_CONFIG": spec.tf_config(spec.tasks[1])})
+    assert single.returncode != 0
+    assert ("ValueError: Invalid value for argument `kind`. Received: kind='one_device' while "
+            "TF_CONFIG names 2 training tasks (this is worker:1).") in single.output
 
 
 @pytest.mark.multiworker

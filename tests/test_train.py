@@ -11,9 +11,12 @@ import pytest
 
 from cluster_runner import QUIET_TF
 from cluster_runner import check_ok
+from cluster_runner import checkpoint_arrays
+from cluster_runner import latest_backup
 from cluster_runner import local_spec
 from cluster_runner import run_cluster
 from cluster_runner import run_single
+from cluster_runner import weights_difference
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 ENV = {"PYTHONPATH": ROOT}
@@ -65,15 +68,50 @@ def test_killed_run_resumes_from_backup(tmp_path):
     env = {**os.environ, **QUIET_TF, **ENV}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    metadata = tmp_path / "backup" / "training_metadata.json"
     deadline = time.monotonic() + 180
-    while not metadata.exists() and time.monotonic() < deadline and proc.poll() is None:
+    while latest_backup(tmp_path) is None and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert metadata.exists(), "no backup written before the deadline"
-    done = json.loads(metadata.read_text())["epoch"]
+    assert latest_backup(tmp_path), "no backup written before the deadline"
+    done = latest_backup(tmp_path)["epoch"]
     assert done in (1, 2)
     check_ok([run_single(args[1:], env=ENV, timeout=300)])
     summary = _summary(tmp_path)
     assert [e["epoch"] for e in summary["epochs"]] == list(range(done + 1, 4))
+
+
+# Losses agree within 1e-4. Final weights (relative L2 over all of them), measured: the
+# transformer 4e-7, the CNN 5e-4. The CNN's gap has not been traced; the transformer has no
+# BatchNormalization, so the synchronized one's statistics (E[x^2] - E[x]^2 from sums
+# all-reduced across replicas) are the suspect.
+WEIGHTS_RTOL = {"cnn": 1e-3, "transformer": 1e-5}
+LAYOUTS = {"2 replicas": ("single", ["--cpu_replicas=2"]), "2 workers": (2, []), "4 workers": (4, [])}
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("model", ["cnn", "transformer"])
+def test_results_do_not_depend_on_the_layout(tmp_path, model):
+    """One process, 2 logical replicas, 2 and 4 workers: the same losses and weights."""
+    args = [*TRAIN, f"--model={model}", "--epochs=2", "--steps_per_epoch=6", "--global_batch_size=64"]
+    reference_dir = tmp_path / "one"
+    check_ok([run_single([*args, "--strategy=one_device", f"--model_dir={reference_dir}"], env=ENV, timeout=300)])
+    reference = _summary(reference_dir)
+    for name, (workers, extra) in LAYOUTS.items():
+        model_dir = tmp_path / name.replace(" ", "_")
+        argv = [*args, *extra, f"--model_dir={model_dir}"]
+        if workers == "single":
+            check_ok([run_single(argv, env=ENV, timeout=300)])
+        else:
+            check_ok(run_cluster(argv, spec=local_spec(workers), env=ENV, timeout=400))
+        summary = _summary(model_dir)
+        assert summary["replicas"] == (2 if workers == "single" else workers), name
+        for got, expected in zip(summary["epochs"], reference["epochs"], strict=True):
+            for metric in ("loss", "val_loss"):
+                assert got[metric] == pytest.approx(expected[metric], rel=1e-4), (name, got, expected)
+        difference = weights_difference(
+            checkpoint_arrays(model_dir / "checkpoints" / "epoch002.weights.h5"),
+            checkpoint_arrays(reference_dir / "checkpoints" / "epoch002.weights.h5"))
+        losses = max(abs(g["loss"] / e["loss"] - 1) for g, e in zip(summary["epochs"], reference["epochs"]))
+        print(f"{model} {name}: losses within {losses:.2g}, weights within {difference:.2g} (relative)")
+        assert difference <= WEIGHTS_RTOL[model], (name, difference)

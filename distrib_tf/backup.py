@@ -1,0 +1,213 @@
+"""Backups that every worker keeps on its own disk, and one resume point agreed by all.
+
+Hosts need not share a disk. Every worker (the chief too) writes its own backups into
+its own directory, `model_dir/backup/<task>/` on its own host:
+
+    step-000000120.weights.h5   the model and optimizer variables after global step 120
+    step-000000120.json         {"run": ..., "step": 120, "epoch": 3, "task": "worker:1"}
+
+The `.json` file is written last and atomically: a backup without it does not exist, so
+a process killed while writing leaves the previous backup whole. The last `keep`
+backups are kept. Keras 3 saving runs no collectives, so each worker saves alone.
+
+On a start, `agree_on_resume()` gathers from every worker which steps it holds (one
+all-gather, before training) and every worker takes the same decision:
+
+- no worker holds a backup: start at step 0;
+- all hold backups of this run: resume at the latest step that all of them hold;
+- otherwise (one holds none, another run's, or no step in common): a `ResumeError`
+  naming the worker and what it holds, raised on every worker alike, so none hangs.
+
+Example:
+
+    >>> callback = WorkerBackup("/tmp/run/backup/worker-0", run="3fa2c1", task="worker:0",
+    ...                         every_steps=50)
+    >>> step = agree_on_resume(model, "/tmp/run/backup/worker-0", run="3fa2c1", task="worker:0")
+"""
+
+import glob
+import json
+import os
+import re
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+_NAME = re.compile(r"step-(\d+)\.json$")
+_JOB_CODES = {"chief": 0, "worker": 1}
+_NONE, _OURS, _FOREIGN = 0, 1, 2
+
+
+class ResumeError(RuntimeError):
+    """The workers' backups do not give one resume point."""
+
+
+def task_dirname(task: str) -> str:
+    """`worker:1` -> `worker-1`: a directory name for a task's own backups."""
+    return task.replace(":", "-")
+
+
+def list_backups(directory: str) -> list[dict]:
+    """The complete backups in `directory`, oldest first (their metadata)."""
+    found = []
+    for path in glob.glob(os.path.join(glob.escape(directory), "step-*.json")):
+        if not _NAME.search(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if os.path.exists(_weights_path(directory, meta.get("step", -1))):
+            found.append(meta)
+    return sorted(found, key=lambda m: m["step"])
+
+
+def _weights_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step-{step:09d}.weights.h5")
+
+
+def _meta_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step-{step:09d}.json")
+
+
+class WorkerBackup(keras.callbacks.Callback):
+    """Saves this worker's training state into its own `directory`.
+
+    Every worker runs it (unlike Keras's `BackupAndRestore`, which only the chief may
+    write under `distrib_tf`): at every epoch end and, with `every_steps`, every
+    `every_steps` global steps.
+
+    Args:
+        directory: this worker's own backup directory (on its own disk).
+        run: identifies the run; a backup of another run is never restored.
+        task: this worker's name, for the metadata (e.g. `"worker:1"`).
+        every_steps: also back up every this many global steps; `None`: epochs only.
+        keep: how many backups to keep (at least 2, so that the workers always share
+            one while a save is in progress on some of them).
+        steps_per_epoch: global steps per epoch, to record the epoch of a step.
+    """
+
+    def __init__(self, directory: str, *, run: str, task: str, steps_per_epoch: int,
+                 every_steps: int | None = None, keep: int = 2):
+        super().__init__()
+        self.directory, self.run, self.task = directory, run, task
+        self.steps_per_epoch, self.every_steps, self.keep = steps_per_epoch, every_steps, max(keep, 2)
+        self.step = 0  # Global steps finished, counted from the optimizer at train begin.
+        self.saved_step = None
+
+    def on_train_begin(self, logs=None):
+        self.step = int(self.model.optimizer.iterations.numpy())
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        if self.every_steps and self.step % self.every_steps == 0:
+            self.save()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.save()
+
+    def save(self):
+        """Writes the backup of the current step (weights first, metadata last)."""
+        if self.saved_step == self.step:
+            return
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        weights = _weights_path(self.directory, self.step)
+        writing = weights[: -len(".weights.h5")] + ".writing.weights.h5"
+        self.model.save_weights(writing, overwrite=True)
+        os.replace(writing, weights)
+        meta = {"run": self.run, "step": self.step, "epoch": self.step // self.steps_per_epoch,
+                "task": self.task}
+        meta_path = _meta_path(self.directory, self.step)
+        with open(meta_path + ".writing", "w", encoding="utf-8") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(meta_path + ".writing", meta_path)
+        self.saved_step = self.step
+        for old in list_backups(self.directory)[: -self.keep]:
+            for path in (_meta_path(self.directory, old["step"]), _weights_path(self.directory, old["step"])):
+                if os.path.exists(path):
+                    os.remove(path)
+
+
+def remove_backups(directory: str) -> None:
+    """Deletes this worker's backups once the run is over, and `backup/` once empty."""
+    for path in glob.glob(os.path.join(glob.escape(directory), "step-*")):
+        os.remove(path)
+    for folder in (directory, os.path.dirname(directory)):
+        try:
+            os.rmdir(folder)
+        except OSError:  # Not empty (another worker's backups on a shared disk), or gone.
+            return
+
+
+def _describe_local(directory: str, run: str, task: str) -> np.ndarray:
+    job, index = task.split(":")
+    backups = list_backups(directory)
+    foreign = [b for b in backups if b.get("run") != run]
+    status = _FOREIGN if foreign else (_OURS if backups else _NONE)
+    steps = [b["step"] for b in backups][-2:]
+    steps = [-1] * (2 - len(steps)) + steps
+    return np.array([_JOB_CODES.get(job, 1), int(index), status, *steps], dtype=np.int64)
+
+
+def _gather(strategy, row: np.ndarray) -> np.ndarray:
+    """Every worker's `row`, stacked (one all-gather; rows repeat per local replica)."""
+    values = strategy.experimental_distribute_values_from_function(
+        lambda _: tf.constant(row[None, :]))
+    return strategy.gather(values, axis=0).numpy()
+
+
+def agree_on_resume(model, directory: str, *, run: str, task: str) -> int:
+    """Agrees with every worker on the step to resume from, and restores it.
+
+    Must be called by every worker at the same point, after `compile` and before `fit`.
+
+    Returns:
+        The global step restored (0: a fresh start, nothing restored).
+    Raises:
+        ResumeError: the workers' backups give no common resume point; every worker
+            raises the same error.
+    """
+    strategy = model.distribute_strategy
+    rows = _gather(strategy, _describe_local(directory, run, task))
+    step = decide(rows)
+    if step:
+        with strategy.scope():
+            if not model.optimizer.built:
+                model.optimizer.build(model.trainable_variables)
+        model.load_weights(_weights_path(directory, step))
+    return step
+
+
+def decide(rows: np.ndarray) -> int:
+    """The resume step from every worker's `[job, index, status, step, step]` row."""
+    workers = {}
+    for job, index, status, *steps in rows.tolist():
+        name = f"{'chief' if job == 0 else 'worker'}:{index}"
+        workers[name] = (status, [s for s in steps if s >= 0])
+    if all(status == _NONE for status, _ in workers.values()):
+        return 0
+    foreign = [name for name, (status, _) in workers.items() if status == _FOREIGN]
+    if foreign:
+        raise ResumeError(
+            f"Cannot resume: {foreign[0]} holds a backup of a different run in its "
+            "model_dir/backup/ (another config or job). Expected backups of this run only: "
+            "use a new --model_dir, or remove that host's old backup."
+        )
+    holding = {name: steps for name, (status, steps) in workers.items() if status == _OURS}
+    missing = [name for name in workers if name not in holding]
+    if missing:
+        other, steps = next(iter(holding.items()))
+        raise ResumeError(
+            f"Cannot resume: {missing[0]} holds no backup in its model_dir/backup/ while "
+            f"{other} holds step {steps[-1]}. Expected every worker to keep its own "
+            "model_dir between restarts (a disk that outlives the task, see README)."
+        )
+    common = set.intersection(*(set(steps) for steps in holding.values()))
+    if not common:
+        held = "; ".join(f"{name} holds steps {steps}" for name, steps in holding.items())
+        raise ResumeError(f"Cannot resume: no step that every worker holds ({held}).")
+    return max(common)

@@ -1,0 +1,89 @@
+"""Per-worker backups: torn writes, and the one resume point every worker agrees on."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+from distrib_tf import backup
+
+
+class KilledWhileWriting(Exception):
+    pass
+
+
+def _model():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def _callback(directory, model, every_steps=None):
+    callback = backup.WorkerBackup(str(directory), run="run-a", task="chief:0", steps_per_epoch=4,
+                                   every_steps=every_steps)
+    callback.set_model(model)
+    return callback
+
+
+def test_killed_while_writing_restores_the_last_good_one(tmp_path):
+    model = _model()
+    first = [w.copy() for w in model.get_weights()]
+    callback = _callback(tmp_path, model)
+    callback.step = 4
+    callback.on_epoch_end(0)
+
+    def half_write(filepath, overwrite=True):
+        with open(filepath, "wb") as f:
+            f.write(b"\x89HDF\r\n\x1a\n" + b"\0" * 64)  # A torn file, as left by SIGKILL.
+        raise KilledWhileWriting()
+
+    model.save_weights = half_write
+    model.set_weights([w + 1 for w in first])
+    callback.step = 8
+    with pytest.raises(KilledWhileWriting):
+        callback.on_epoch_end(1)
+    assert [b["step"] for b in backup.list_backups(str(tmp_path))] == [4]
+    restored = _model()
+    assert backup.agree_on_resume(restored, str(tmp_path), run="run-a", task="chief:0") == 4
+    for a, b in zip(restored.get_weights(), first):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_keeps_the_last_two_and_saves_every_n_steps(tmp_path):
+    model = _model()
+    callback = _callback(tmp_path, model, every_steps=3)
+    callback.on_train_begin()
+    for batch in range(8):
+        callback.on_train_batch_end(batch)
+        if batch % 4 == 3:
+            callback.on_epoch_end(batch // 4)
+    assert [b["step"] for b in backup.list_backups(str(tmp_path))] == [6, 8]
+    meta = json.loads((tmp_path / "step-000000008.json").read_text())
+    assert meta == {"run": "run-a", "step": 8, "epoch": 2, "task": "chief:0"}
+    backup.remove_backups(str(tmp_path))
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
+def _row(job, index, status, *steps):
+    return [job, index, status, *([-1] * (2 - len(steps)) + list(steps))]
+
+
+def test_decide_takes_the_latest_step_all_workers_hold():
+    assert backup.decide(np.array([_row(1, 0, 0), _row(1, 1, 0)])) == 0
+    assert backup.decide(np.array([_row(1, 0, 1, 100, 120), _row(1, 1, 1, 80, 100)])) == 100
+    assert backup.decide(np.array([_row(0, 0, 1, 100, 120), _row(1, 0, 1, 100, 120)])) == 120
+
+
+@pytest.mark.parametrize("rows, error", [
+    ([_row(0, 0, 1, 40, 80), _row(1, 0, 0)],
+     "Cannot resume: worker:0 holds no backup in its model_dir/backup/ while chief:0 holds step 80."),
+    ([_row(1, 0, 1, 40), _row(1, 1, 2, 40)],
+     "Cannot resume: worker:1 holds a backup of a different run"),
+    ([_row(1, 0, 1, 100, 120), _row(1, 1, 1, 40, 60)],
+     "no step that every worker holds (worker:0 holds steps [100, 120]; worker:1 holds steps [40, 60])"),
+])
+def test_decide_refuses_backups_that_do_not_agree(rows, error):
+    with pytest.raises(backup.ResumeError) as raised:
+        backup.decide(np.array(rows))
+    assert error in str(raised.value)
