@@ -9,8 +9,16 @@ Usage:
 `kubernetes` writes a ConfigMap holding the spec, a headless Service and an Indexed Job
 with one pod per task of the spec. Pod `i` runs `distrib-tf-launch --task_ordinal=i`:
 the launcher gives it the `TF_CONFIG` of the spec's i-th task, with each task's address
-replaced by its pod's stable DNS name (`NAME-i.NAME:PORT`). `slurm` writes a batch
-script that runs one task per Slurm task through `distrib-tf-launch --slurm`.
+replaced by its pod's stable DNS name (`NAME-i.NAME:PORT`). Failed pods are retried
+(`backoffLimit` = `--max_restarts`); a pod that exits 75 (preempted, its state saved) is
+recreated without counting against that limit, and one that exits 2 (bad input) fails
+the Job at once (`podFailurePolicy`). `/runs` in every pod is the volume claim
+`--volume_claim` (put `--model_dir` under it: backups must outlive the pod), else an
+`emptyDir` that dies with the pod, with a warning.
+
+`slurm` writes a batch script that runs one task per Slurm task through
+`distrib-tf-launch --slurm`; it asks Slurm for SIGTERM two minutes before a time limit or
+preemption (`--signal=TERM@120`) and requeues itself when the job exits 75.
 
 This module imports no TensorFlow.
 """
@@ -20,9 +28,13 @@ import json
 import shlex
 import sys
 
+import yaml
+
 from distrib_tf.cluster import ClusterSpec
 
 EXIT_USAGE = 2
+EXIT_PREEMPTED = 75  # distrib_tf.launch's and distrib_tf.preemption's.
+RUNS = "/runs"
 
 
 def kubernetes_spec(spec: ClusterSpec, *, name: str, port: int) -> ClusterSpec:
@@ -35,7 +47,8 @@ def kubernetes_spec(spec: ClusterSpec, *, name: str, port: int) -> ClusterSpec:
 
 
 def kubernetes_manifests(spec: ClusterSpec, *, name: str, image: str, command: list[str],
-                         port: int = 2222, gpus_per_task: int = 0) -> list[dict]:
+                         port: int = 2222, gpus_per_task: int = 0, max_restarts: int = 3,
+                         volume_claim: str | None = None, grace_seconds: int = 120) -> list[dict]:
     """ConfigMap, headless Service and Indexed Job for `spec`. Pure."""
     pod_spec = kubernetes_spec(spec, name=name, port=port)
     labels = {"app.kubernetes.io/name": name}
@@ -45,8 +58,11 @@ def kubernetes_manifests(spec: ClusterSpec, *, name: str, image: str, command: l
         "command": ["distrib-tf-launch", "--cluster_spec=/etc/distrib_tf/spec.json",
                     "--task_ordinal=$(JOB_COMPLETION_INDEX)", "--", *command],
         "ports": [{"containerPort": port, "name": "grpc"}],
-        "volumeMounts": [{"name": "spec", "mountPath": "/etc/distrib_tf"}],
+        "volumeMounts": [{"name": "spec", "mountPath": "/etc/distrib_tf"},
+                         {"name": "runs", "mountPath": RUNS}],
     }
+    runs = ({"name": "runs", "persistentVolumeClaim": {"claimName": volume_claim}} if volume_claim
+            else {"name": "runs", "emptyDir": {}})
     if gpus_per_task:
         container["resources"] = {"limits": {"nvidia.com/gpu": gpus_per_task}}
     tasks = len(spec.tasks)
@@ -58,47 +74,22 @@ def kubernetes_manifests(spec: ClusterSpec, *, name: str, image: str, command: l
         {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": labels},
          "spec": {
              "completionMode": "Indexed", "completions": tasks, "parallelism": tasks,
-             "backoffLimit": 0,
+             "backoffLimit": max_restarts,
+             "podFailurePolicy": {"rules": [
+                 {"action": "Ignore", "onExitCodes": {"containerName": "task", "operator": "In",
+                                                      "values": [EXIT_PREEMPTED]}},
+                 {"action": "FailJob", "onExitCodes": {"containerName": "task", "operator": "In",
+                                                       "values": [EXIT_USAGE]}},
+                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+             ]},
              "template": {
                  "metadata": {"labels": labels},
                  "spec": {"subdomain": name, "restartPolicy": "Never", "containers": [container],
-                          "volumes": [{"name": "spec", "configMap": {"name": name}}]},
+                          "terminationGracePeriodSeconds": grace_seconds,
+                          "volumes": [{"name": "spec", "configMap": {"name": name}}, runs]},
              },
          }},
     ]
-
-
-def to_yaml(value, indent: int = 0) -> str:
-    """A small YAML writer for dicts, lists, strings, numbers and booleans."""
-    pad = "  " * indent
-    if isinstance(value, dict):
-        lines = []
-        for key, item in value.items():
-            if isinstance(item, (dict, list)) and item:
-                lines.append(f"{pad}{key}:\n{to_yaml(item, indent + 1)}")
-            else:
-                lines.append(f"{pad}{key}: {_scalar(item)}")
-        return "\n".join(lines)
-    if isinstance(value, list):
-        lines = []
-        for item in value:
-            if isinstance(item, (dict, list)) and item:
-                body = to_yaml(item, indent + 1)
-                lines.append(f"{pad}- {body.lstrip()}")
-            else:
-                lines.append(f"{pad}- {_scalar(item)}")
-        return "\n".join(lines)
-    return pad + _scalar(value)
-
-
-def _scalar(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return str(value)
-    if value in ({}, []):
-        return json.dumps(value)
-    return json.dumps(str(value))  # A JSON string is a valid YAML double-quoted scalar.
 
 
 def slurm_script(spec: ClusterSpec, *, command: list[str], job_name: str = "distrib_tf") -> str:
@@ -110,9 +101,16 @@ def slurm_script(spec: ClusterSpec, *, command: list[str], job_name: str = "dist
         f"#SBATCH --ntasks={tasks}",
         "#SBATCH --cpus-per-task=1",
         "#SBATCH --output=%x-%j.out",
+        "#SBATCH --signal=TERM@120",
+        "#SBATCH --requeue",
         "# One TensorFlow task per Slurm task; TF_CONFIG comes from the SLURM_* variables.",
-        "# --kill-on-bad-exit stops every task when one fails; requeue to resume from backup/.",
+        "# --kill-on-bad-exit stops every task when one fails. SIGTERM (120 s before a time",
+        f"# limit or a preemption) makes every worker back up one agreed step and exit {EXIT_PREEMPTED};",
+        "# the job then requeues itself and resumes at that step (backups on each node's disk).",
         "srun --kill-on-bad-exit=1 distrib-tf-launch --slurm -- " + shlex.join(command),
+        "code=$?",
+        f'if [ "$code" -eq {EXIT_PREEMPTED} ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
+        'exit "$code"',
         "",
     ])
 
@@ -131,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     kube.add_argument("--name", default="distrib-tf")
     kube.add_argument("--port", type=int, default=2222)
     kube.add_argument("--gpus_per_task", type=int, default=0)
+    kube.add_argument("--max_restarts", type=int, default=3, help="failed pods retried (backoffLimit)")
+    kube.add_argument("--volume_claim", help=f"PersistentVolumeClaim mounted at {RUNS} for --model_dir")
     slurm = engines.add_parser("slurm")
     slurm.add_argument("--job_name", default="distrib_tf")
     for engine in (kube, slurm):
@@ -148,9 +148,16 @@ def main(argv: list[str] | None = None) -> int:
             if not 0 < args.port < 65536:
                 raise ValueError(f"Invalid value for `--port`. Received: {args.port}. "
                                  "Expected a port number from 1 to 65535.")
-            text = "\n---\n".join(to_yaml(m) for m in kubernetes_manifests(
+            if args.max_restarts < 0:
+                raise ValueError(f"Invalid value for `--max_restarts`. Received: {args.max_restarts}. "
+                                 "Expected an integer >= 0.")
+            if not args.volume_claim:
+                print(f"distrib-tf-export: warning: no --volume_claim: {RUNS} is an emptyDir that "
+                      "dies with its pod, so a recreated pod cannot resume", file=sys.stderr)
+            text = yaml.safe_dump_all(kubernetes_manifests(
                 spec, name=args.name, image=args.image, command=command, port=args.port,
-                gpus_per_task=args.gpus_per_task)) + "\n"
+                gpus_per_task=args.gpus_per_task, max_restarts=args.max_restarts,
+                volume_claim=args.volume_claim), sort_keys=False)
         else:
             text = slurm_script(spec, command=command, job_name=args.job_name)
     except ValueError as e:

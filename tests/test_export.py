@@ -77,3 +77,35 @@ def test_bad_input(args, message):
     result = _export(*args)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("claim", [None, "training-runs"])
+def test_kubernetes_manifests_validate_against_the_api_schema(claim):
+    import kubernetes_validate  # pylint: disable=import-outside-toplevel
+
+    args = ["kubernetes", f"--cluster_spec={SPEC}", "--image=registry.example/job:1", "--max_restarts=5"]
+    result = _export(*args, *([f"--volume_claim={claim}"] if claim else []), "--",
+                     "python", "-m", "distrib_tf.train", "--model_dir=/runs/cnn")
+    assert result.returncode == 0, result.stderr
+    assert ("no --volume_claim" in result.stderr) == (claim is None)
+    documents = list(yaml.safe_load_all(result.stdout))
+    for document in documents:
+        kubernetes_validate.validate(document, "1.31", strict=True)
+    job = documents[-1]["spec"]
+    assert job["backoffLimit"] == 5
+    rules = {rule["action"]: rule for rule in job["podFailurePolicy"]["rules"] if "onExitCodes" in rule}
+    assert rules["Ignore"]["onExitCodes"]["values"] == [launch.EXIT_PREEMPTED]
+    assert rules["FailJob"]["onExitCodes"]["values"] == [launch.EXIT_USAGE]
+    volumes = {v["name"]: v for v in job["template"]["spec"]["volumes"]}
+    if claim:
+        assert volumes["runs"]["persistentVolumeClaim"]["claimName"] == claim
+    else:
+        assert "emptyDir" in volumes["runs"]
+
+
+def test_slurm_script_asks_for_the_signal_and_requeues_on_preemption():
+    result = _export("slurm", f"--cluster_spec={SPEC}", "--", "python", "-m", "distrib_tf.train")
+    assert "#SBATCH --signal=TERM@120" in result.stdout and "#SBATCH --requeue" in result.stdout
+    assert f'if [ "$code" -eq {launch.EXIT_PREEMPTED} ]; then scontrol requeue "$SLURM_JOB_ID"; fi' in result.stdout
+    check = subprocess.run(["bash", "-n"], input=result.stdout, text=True, capture_output=True)
+    assert check.returncode == 0, check.stderr
