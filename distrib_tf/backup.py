@@ -99,6 +99,8 @@ class WorkerBackup(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.step = int(self.model.optimizer.iterations.numpy())
+        if self.step == 0:
+            self.save()  # The starting point, for a rollback before the first backup.
 
     def on_train_batch_end(self, batch, logs=None):
         self.step += 1
@@ -143,9 +145,9 @@ def remove_backups(directory: str) -> None:
             return
 
 
-def _describe_local(directory: str, run: str, task: str) -> np.ndarray:
+def _describe_local(directory: str, run: str, task: str, include_start: bool) -> np.ndarray:
     job, index = task.split(":")
-    backups = list_backups(directory)
+    backups = [b for b in list_backups(directory) if include_start or b["step"] > 0]
     foreign = [b for b in backups if b.get("run") != run]
     status = _FOREIGN if foreign else (_OURS if backups else _NONE)
     steps = [b["step"] for b in backups][-2:]
@@ -153,17 +155,19 @@ def _describe_local(directory: str, run: str, task: str) -> np.ndarray:
     return np.array([_JOB_CODES.get(job, 1), int(index), status, *steps], dtype=np.int64)
 
 
-def _gather(strategy, row: np.ndarray) -> np.ndarray:
-    """Every worker's `row`, stacked (one all-gather; rows repeat per local replica)."""
+def gather_rows(strategy, row: np.ndarray) -> np.ndarray:
+    """Every replica's copy of its worker's `row`, stacked in replica order (one all-gather)."""
     values = strategy.experimental_distribute_values_from_function(
         lambda _: tf.constant(row[None, :]))
     return strategy.gather(values, axis=0).numpy()
 
 
-def agree_on_resume(model, directory: str, *, run: str, task: str) -> int:
+def agree_on_resume(model, directory: str, *, run: str, task: str, include_start: bool = False) -> int:
     """Agrees with every worker on the step to resume from, and restores it.
 
     Must be called by every worker at the same point, after `compile` and before `fit`.
+    The backup of step 0 (the starting point) counts only with `include_start`, which a
+    rollback uses: a job that never got past its start simply starts again.
 
     Returns:
         The global step restored (0: a fresh start, nothing restored).
@@ -172,9 +176,9 @@ def agree_on_resume(model, directory: str, *, run: str, task: str) -> int:
             raises the same error.
     """
     strategy = model.distribute_strategy
-    rows = _gather(strategy, _describe_local(directory, run, task))
+    rows = gather_rows(strategy, _describe_local(directory, run, task, include_start))
     step = decide(rows)
-    if step:
+    if step or include_start:
         with strategy.scope():
             if not model.optimizer.built:
                 model.optimizer.build(model.trainable_variables)

@@ -11,8 +11,8 @@ with one pod per task of the spec. Pod `i` runs `distrib-tf-launch --task_ordina
 the launcher gives it the `TF_CONFIG` of the spec's i-th task, with each task's address
 replaced by its pod's stable DNS name (`NAME-i.NAME:PORT`). Failed pods are retried
 (`backoffLimit` = `--max_restarts`); a pod that exits 75 (preempted, its state saved) is
-recreated without counting against that limit, and one that exits 2 (bad input) fails
-the Job at once (`podFailurePolicy`). `/runs` in every pod is the volume claim
+recreated without counting against that limit, and one that exits 2 (bad input) or 65
+(a NaN or Inf loss) fails the Job at once (`podFailurePolicy`). `/runs` in every pod is the volume claim
 `--volume_claim` (put `--model_dir` under it: backups must outlive the pod), else an
 `emptyDir` that dies with the pod, with a warning.
 
@@ -34,6 +34,7 @@ from distrib_tf.cluster import ClusterSpec
 
 EXIT_USAGE = 2
 EXIT_PREEMPTED = 75  # distrib_tf.launch's and distrib_tf.preemption's.
+EXIT_NONFINITE = 65  # distrib_tf.nonfinite's: retrying resumes into the same NaN.
 RUNS = "/runs"
 
 
@@ -79,7 +80,7 @@ def kubernetes_manifests(spec: ClusterSpec, *, name: str, image: str, command: l
                  {"action": "Ignore", "onExitCodes": {"containerName": "task", "operator": "In",
                                                       "values": [EXIT_PREEMPTED]}},
                  {"action": "FailJob", "onExitCodes": {"containerName": "task", "operator": "In",
-                                                       "values": [EXIT_USAGE]}},
+                                                       "values": [EXIT_USAGE, EXIT_NONFINITE]}},
                  {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
              ]},
              "template": {

@@ -30,7 +30,8 @@ to one file per task (`worker_1.log`, appended across restarts).
 Failures: when a task exits non-zero or is killed, the others are stopped (SIGTERM,
 then SIGKILL after `--grace_period`: multi-worker TensorFlow can ignore SIGTERM) and,
 while restarts remain, the group starts again; the job resumes from its backup. A task
-that exits with 2 (bad input) is not restarted: it would fail again. The root cause is
+that exits with 2 (bad input) or 65 (the main job stopped on a NaN or Inf loss) is not
+restarted: it would fail again. The root cause is
 reported: the task that failed first, its exit code or signal, and its last lines of
 output. If the launcher itself is killed, the kernel kills its tasks (Linux parent-death
 signal).
@@ -72,6 +73,7 @@ from distrib_tf.cluster import parse_task
 from distrib_tf.cluster import split_address
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 75, 130
+EXIT_NONFINITE = 65  # The main job's NaN/Inf stop: a restart would resume into it again.
 TAIL_LINES = 20
 
 
@@ -316,9 +318,10 @@ def run(config: LaunchConfig) -> LaunchResult:
             first_failure = first_failure or failure
             if received:
                 return _stop_on_signal(group, received[0], config, attempt, first_failure, out_lock)
-            if ended.returncode == EXIT_USAGE:
+            if ended.returncode in (EXIT_USAGE, EXIT_NONFINITE):  # It would fail again.
                 _report(failure, attempt, 0, out_lock)
-                return LaunchResult(EXIT_USAGE, attempt, first_failure)
+                return LaunchResult(EXIT_USAGE if ended.returncode == EXIT_USAGE else EXIT_FAILED,
+                                    attempt, first_failure)
             _report(failure, attempt, config.max_restarts, out_lock)
         return LaunchResult(EXIT_FAILED, attempt, first_failure)
     finally:

@@ -19,7 +19,8 @@ import signal
 
 import keras
 import numpy as np
-import tensorflow as tf
+
+from distrib_tf import backup
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the state is saved; start the job again to resume.
 
@@ -62,10 +63,7 @@ class SaveOnPreemption(keras.callbacks.Callback):
         self.worker_backup = worker_backup
 
     def on_train_batch_end(self, batch, logs=None):
-        strategy = self.model.distribute_strategy
-        flag = np.int32(1 if _requested else 0)
-        values = strategy.experimental_distribute_values_from_function(
-            lambda _: tf.constant([flag]))
-        if int(tf.reduce_max(strategy.gather(values, axis=0))):
+        rows = backup.gather_rows(self.model.distribute_strategy, np.array([int(_requested)]))
+        if rows.any():
             self.worker_backup.save()
             raise Preempted(self.worker_backup.step)

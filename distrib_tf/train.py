@@ -25,6 +25,7 @@ import tempfile
 import time
 
 import keras
+import numpy as np
 from absl import app
 from absl import flags
 from absl import logging as absl_logging
@@ -34,6 +35,7 @@ from distrib_tf import callbacks as callbacks_lib
 from distrib_tf import cluster
 from distrib_tf import data
 from distrib_tf import evaluator
+from distrib_tf import nonfinite
 from distrib_tf import preemption
 from distrib_tf.models import MODELS
 from distrib_tf.models import build_model
@@ -44,6 +46,7 @@ from distrib_tf.strategy import strategy_name
 MIXED_PRECISION = {"off": "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
 DEFAULT_DATASETS = {"cnn": "shapes", "transformer": "tokens"}
 MODEL_KINDS = {"cnn": "image", "transformer": "text"}
+ON_NAN = ("stop", "rollback")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +73,8 @@ class TrainConfig:
     steps_per_epoch: int | None = None
     collective_timeout: float | None = None
     backup_every_steps: int | None = None
+    on_nan: str = "stop"
+    max_rollbacks: int = 3
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -87,6 +92,10 @@ class TrainConfig:
             _invalid("collective_timeout", self.collective_timeout, "a number of seconds > 0")
         if self.mixed_precision not in MIXED_PRECISION:
             _invalid("mixed_precision", self.mixed_precision, f"one of {', '.join(MIXED_PRECISION)}")
+        if self.on_nan not in ON_NAN:
+            _invalid("on_nan", self.on_nan, f"one of {', '.join(ON_NAN)}")
+        if isinstance(self.max_rollbacks, bool) or not isinstance(self.max_rollbacks, int) or self.max_rollbacks < 0:
+            _invalid("max_rollbacks", self.max_rollbacks, "an integer >= 0")
         if self.strategy not in KINDS:
             _invalid("strategy", self.strategy, f"one of {', '.join(KINDS)}")
 
@@ -95,7 +104,7 @@ class TrainConfig:
         """What a backup must match to be resumed: every field that changes the math."""
         fields = dataclasses.asdict(self)
         for name in ("epochs", "data_dir", "strategy", "cpu_replicas", "collective_timeout",
-                     "backup_every_steps"):
+                     "backup_every_steps", "on_nan", "max_rollbacks"):
             fields.pop(name)
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -124,6 +133,7 @@ class Job:
     steps_per_epoch: int
     validation_steps: int
     is_evaluator: bool = False
+    replica_tasks: tuple[str, ...] = ("chief:0",)  # The task of every replica, in order.
 
 
 def prepare_job(config: TrainConfig, model_dir: str) -> Job:
@@ -153,8 +163,11 @@ def prepare_job(config: TrainConfig, model_dir: str) -> Job:
     resolver = strategy.cluster_resolver if multi_worker else None
     task = f"{resolver.task_type}:{resolver.task_id}" if multi_worker else "chief:0"
     workers = tf_config[0].num_workers if multi_worker else 1
+    trainers = [str(t) for t in tf_config[0].tasks if t.type != "evaluator"] if multi_worker else [task]
+    local = strategy.num_replicas_in_sync // len(trainers)
     return Job(config, model_dir, strategy, strategy_name(strategy), info, task, workers,
-               strategy.extended.should_checkpoint, steps, validation_steps)
+               strategy.extended.should_checkpoint, steps, validation_steps,
+               replica_tasks=tuple(t for t in trainers for _ in range(local)))
 
 
 def build_compiled_model(config: TrainConfig, info, strategy):
@@ -168,7 +181,7 @@ def build_compiled_model(config: TrainConfig, info, strategy):
         model.compile(
             optimizer=keras.optimizers.Adam(config.learning_rate),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
+            metrics=["accuracy", nonfinite.NonFiniteReplicas()],
         )
     return model
 
@@ -210,19 +223,32 @@ def run_job(job: Job) -> dict:
         job.model_dir, task=job.task, is_chief=job.is_chief, epochs=config.epochs,
         examples_per_epoch=job.steps_per_epoch * config.global_batch_size,
         worker_backup=worker_backup)
-    callbacks.insert(callbacks.index(worker_backup) + 1, preemption.SaveOnPreemption(worker_backup))
+    at = callbacks.index(worker_backup)  # Checked before the step is backed up; saved after.
+    callbacks[at:at + 1] = [
+        nonfinite.StopOnNonFinite(workers=list(job.replica_tasks), steps_per_epoch=job.steps_per_epoch),
+        worker_backup, preemption.SaveOnPreemption(worker_backup)]
     verbose = (1 if sys.stdout.isatty() else 2) if job.is_chief else 0
-    history, epochs = {}, []
+    history, epochs, rollbacks = {}, [], []
     step, last_step = start_step, config.epochs * job.steps_per_epoch
     while step < last_step:
         epoch, done = divmod(step, job.steps_per_epoch)
         until = epoch + 1 if done else config.epochs  # A partial epoch alone, then the rest.
-        fitted = model.fit(
-            distributed("train", step), initial_epoch=epoch, epochs=until,
-            steps_per_epoch=job.steps_per_epoch - done,
-            validation_data=distributed("test"), validation_steps=job.validation_steps,
-            callbacks=callbacks, verbose=verbose, shuffle=False,  # The pipeline shuffles.
-        )
+        try:
+            fitted = model.fit(
+                distributed("train", step), initial_epoch=epoch, epochs=until,
+                steps_per_epoch=job.steps_per_epoch - done,
+                validation_data=distributed("test"), validation_steps=job.validation_steps,
+                callbacks=callbacks, verbose=verbose, shuffle=False,  # The pipeline shuffles.
+            )
+        except nonfinite.NonFiniteLoss as e:
+            _name_input_culprits(e, job, distributed("train", e.step - 1))
+            if config.on_nan == "stop" or len(rollbacks) == config.max_rollbacks:
+                raise
+            step = _roll_back(model, backup_dir, config, job, e)
+            rollbacks.append({"at_step": e.step, "to_step": step,
+                              "learning_rate": float(model.optimizer.learning_rate.numpy())})
+            worker_backup.saved_step = None
+            continue
         for key, values in fitted.history.items():
             history.setdefault(key, []).extend(values)
         epochs += fitted.epoch
@@ -238,6 +264,7 @@ def run_job(job: Job) -> dict:
         "workers": job.workers,
         "replicas": strategy.num_replicas_in_sync,
         "resumed_at_step": start_step,
+        "rollbacks": rollbacks,
         "epochs": [{"epoch": epoch + 1, **{k: float(v[i]) for k, v in history.items()}}
                    for i, epoch in enumerate(epochs)],
         "final": {k: float(v) for k, v in final.items()},
@@ -251,6 +278,27 @@ def run_job(job: Job) -> dict:
     if job.is_chief:
         _write_json_atomically(os.path.join(job.model_dir, "summary.json"), summary)
     return summary
+
+
+def _name_input_culprits(error, job: Job, batches) -> None:
+    """Reads the failed step's input batch again; names the workers whose batch held NaN or Inf."""
+    x = next(iter(batches))[0]
+    bad = any(not np.isfinite(t.numpy()).all() for t in job.strategy.experimental_local_results(x))
+    rows = backup.gather_rows(job.strategy, np.array([int(bad)]))
+    culprits = sorted({task for task, row in zip(job.replica_tasks, rows) if row[0]})
+    if culprits:
+        error.culprits, error.where = culprits, "input batch"
+
+
+def _roll_back(model, backup_dir: str, config: TrainConfig, job: Job, error) -> int:
+    """Restores the last backup every worker holds and halves the learning rate."""
+    rate = float(model.optimizer.learning_rate.numpy()) / 2  # Before the backup restores it.
+    step = backup.agree_on_resume(model, backup_dir, run=config.run_id(), task=job.task,
+                                  include_start=True)
+    model.optimizer.learning_rate = rate
+    print(f"{job.task} {error} Rolled back to step {step}; learning rate halved to {rate:.3g}.",
+          flush=True)
+    return step
 
 
 def _fingerprint(model) -> str:
@@ -304,6 +352,9 @@ def define_flags():
     flags.DEFINE_float("collective_timeout", None, "Seconds before a stuck all-reduce fails.")
     flags.DEFINE_integer("backup_every_steps", None,
                          "Back up every N global steps too (default: at epoch ends only).")
+    flags.DEFINE_string("on_nan", "stop", "On a NaN or Inf loss: stop, or rollback to the last backup "
+                        "with half the learning rate.")
+    flags.DEFINE_integer("max_rollbacks", 3, "With --on_nan=rollback: roll back at most this often.")
 
 
 def config_from_flags() -> TrainConfig:
@@ -339,6 +390,10 @@ def main(argv):
         summary = run_job(job)
     except backup.ResumeError as e:
         _fail(str(e))
+    except nonfinite.NonFiniteLoss as e:
+        print(f"distrib-tf-train: error: {job.task}: {e} Every worker stopped at this step.",
+              file=sys.stderr, flush=True)
+        sys.exit(nonfinite.EXIT_NONFINITE)
     except preemption.Preempted as e:
         print(f"{job.task} preempted: backed up step {e.step} like every worker; start the job "
               f"again to resume there (exit code {preemption.EXIT_PREEMPTED})", flush=True)

@@ -93,8 +93,9 @@ def start_and_wait_for(cmd, out, *, marker: str, count: int, env=None, timeout: 
 
 
 def latest_backup(model_dir, task: str = "*") -> dict | None:
-    """The metadata of the newest backup that `task` (`worker-1`, `chief-0`; any) holds."""
+    """The metadata of the newest backup past the start that `task` (`worker-1`; any) holds."""
     found = [json.loads(p.read_text()) for p in pathlib.Path(model_dir).glob(f"backup/{task}/step-*.json")]
+    found = [meta for meta in found if meta["step"] > 0]
     return max(found, key=lambda m: m["step"]) if found else None
 
 

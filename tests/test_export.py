@@ -95,7 +95,7 @@ def test_kubernetes_manifests_validate_against_the_api_schema(claim):
     assert job["backoffLimit"] == 5
     rules = {rule["action"]: rule for rule in job["podFailurePolicy"]["rules"] if "onExitCodes" in rule}
     assert rules["Ignore"]["onExitCodes"]["values"] == [launch.EXIT_PREEMPTED]
-    assert rules["FailJob"]["onExitCodes"]["values"] == [launch.EXIT_USAGE]
+    assert rules["FailJob"]["onExitCodes"]["values"] == [launch.EXIT_USAGE, launch.EXIT_NONFINITE]
     volumes = {v["name"]: v for v in job["template"]["spec"]["volumes"]}
     if claim:
         assert volumes["runs"]["persistentVolumeClaim"]["claimName"] == claim

@@ -1,0 +1,86 @@
+"""NaN/Inf on one worker: every worker stops at the same step and names it, or rolls back."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from cluster_runner import local_spec
+from cluster_runner import run_cluster
+from distrib_tf import data
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+ENV = {"PYTHONPATH": ROOT}
+STEP, WORKER, ROW = 6, 1, 5  # The Inf sits in worker:1's half of global step 6.
+TRAIN, TEST = 640, 128
+
+pytestmark = pytest.mark.multiworker
+
+
+def _write(directory, images, labels):
+    """A small `tfrecord:DIR` dataset: `images[split]`, `labels[split]`."""
+    os.makedirs(directory)
+    for split in ("train", "test"):
+        with tf.io.TFRecordWriter(os.path.join(directory, f"{split}-00000-of-00001.tfrecord")) as writer:
+            for x, y in zip(images[split], labels[split]):
+                feature = {
+                    "x": tf.train.Feature(bytes_list=tf.train.BytesList(value=[tf.io.serialize_tensor(x).numpy()])),
+                    "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(y)])),
+                }
+                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+    meta = {"name": f"tfrecord:{directory}", "kind": "image", "num_classes": 10, "input_shape": [28, 28, 1],
+            "num_examples": {"train": TRAIN, "test": TEST}}
+    with open(os.path.join(directory, "dataset.json"), "w") as f:
+        json.dump(meta, f)
+    return f"tfrecord:{directory}"
+
+
+@pytest.fixture(scope="module")
+def shapes_with_an_inf(tmp_path_factory):
+    shapes = data.load_info("shapes")
+    images, labels = {}, {}
+    for split, size in (("train", TRAIN), ("test", TEST)):
+        x, y = next(data.load_source(shapes, split).batch(size).as_numpy_iterator())
+        images[split], labels[split] = x.copy(), y
+    # Which example the pipeline puts there: ask it, with images that hold their own index.
+    probe = {split: np.broadcast_to(np.arange(len(x), dtype=np.float32)[:, None, None, None], x.shape)
+             for split, x in images.items()}
+    probe_name = _write(str(tmp_path_factory.mktemp("probe") / "d"), probe, labels)
+    dataset_fn = data.make_dataset_fn(data.load_info(probe_name), "train", global_batch_size=64)
+    batches = list(dataset_fn(tf.distribute.InputContext()).take(STEP).as_numpy_iterator())
+    target = int(batches[STEP - 1][0][WORKER * 32 + ROW].flat[0])
+    images["train"][target].flat[0] = np.inf
+    return _write(str(tmp_path_factory.mktemp("inf") / "d"), images, labels)
+
+
+def _run(dataset, tmp_path, *flags):
+    return run_cluster(["-m", "distrib_tf.train", f"--dataset={dataset}", "--epochs=1", "--backup_every_steps=4",
+                        f"--model_dir={tmp_path / 'run'}", *flags], spec=local_spec(2), env=ENV, timeout=300)
+
+
+def _error_lines(result):
+    return [line for line in result.output.splitlines() if line.startswith("distrib-tf-train: error: ")]
+
+
+EXPECTED = (f"Non-finite loss or gradient at step {STEP} (epoch 1); NaN or Inf first seen in the input batch "
+            f"of worker:{WORKER}.")
+
+
+def test_one_workers_inf_stops_every_worker_at_the_same_step(shapes_with_an_inf, tmp_path):
+    for result in _run(shapes_with_an_inf, tmp_path):
+        assert result.returncode == 65, (result.task, result.output[-3000:])
+        lines = _error_lines(result)
+        assert len(lines) == 1 and EXPECTED in lines[0], result.output[-3000:]
+        assert "Traceback" not in result.output
+
+
+def test_rollback_halves_the_learning_rate_then_gives_up(shapes_with_an_inf, tmp_path):
+    for result in _run(shapes_with_an_inf, tmp_path, "--on_nan=rollback", "--max_rollbacks=2"):
+        rolled = [line for line in result.output.splitlines() if "Rolled back to step" in line]
+        assert len(rolled) == 2, result.output[-3000:]
+        assert all(EXPECTED in line for line in rolled)
+        assert "Rolled back to step 4; learning rate halved to 0.0005." in rolled[0]
+        assert "Rolled back to step 4; learning rate halved to 0.00025." in rolled[1]
+        assert result.returncode == 65 and len(_error_lines(result)) == 1, result.output[-3000:]
