@@ -13,7 +13,11 @@ cluster read from the `SLURM_*` variables), each with:
 
 - `TF_CONFIG`: the spec with `:0` ports replaced by free ports (the same for every task
   of one attempt; new ones for each restart) and the task's own type and index;
-- `CUDA_VISIBLE_DEVICES`, with `--gpus_per_task=N`: the N GPUs of its local slot;
+- `LOCAL_RANK` and `LOCAL_WORLD_SIZE` (`SLURM_LOCALID` under Slurm, else its order among
+  this launcher's tasks), and `CUDA_VISIBLE_DEVICES`: with `--gpus_per_task=N` local rank
+  r gets GPUs r*N ... r*N+N-1 of those the launcher was given (its own
+  `CUDA_VISIBLE_DEVICES` when set); with several local tasks and no flag the GPUs are
+  split evenly, or refused in one line when they do not divide (`distrib_tf.placement`);
 - `DISTRIB_TF_COLLECTIVE_TIMEOUT`, with `--collective_timeout`: `make_strategy()`
   then fails a stuck all-reduce after that many seconds instead of hanging.
 
@@ -66,6 +70,7 @@ import sys
 import threading
 import time
 
+from distrib_tf import placement
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import Task
 from distrib_tf.cluster import load_slurm_cluster
@@ -90,6 +95,7 @@ class LaunchConfig:
     collective_timeout: float | None = None
     grace_period: float = 10.0
     private: bool = True
+    visible_gpus: tuple[str, ...] = ()  # What the launcher was given, to share out.
 
 
 @dataclasses.dataclass
@@ -141,10 +147,10 @@ def task_env(config: LaunchConfig, spec: ClusterSpec, task: Task, slot: int,
              base_env: dict[str, str]) -> dict[str, str]:
     """The environment of `task`, the `slot`-th task started on this host. Pure."""
     env = {**base_env, "TF_CONFIG": spec.tf_config(task), "PYTHONUNBUFFERED": "1"}
-    if config.gpus_per_task:
-        first = slot * config.gpus_per_task
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(
-            str(i) for i in range(first, first + config.gpus_per_task))
+    local_rank, local_tasks = placement.slurm_local_rank(base_env) or (slot, len(config.tasks))
+    env.update(placement.placement_env(local_rank=local_rank, local_tasks=local_tasks,
+                                       visible=list(config.visible_gpus),
+                                       gpus_per_task=config.gpus_per_task))
     if config.collective_timeout:
         env["DISTRIB_TF_COLLECTIVE_TIMEOUT"] = str(config.collective_timeout)
     return env
@@ -443,11 +449,19 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         raise ValueError(f"Invalid value for `--collective_timeout`. Received: "
                          f"{args.collective_timeout}. Expected a number of seconds > 0.")
     spec, tasks = _select_tasks(args)
-    return LaunchConfig(spec=spec, tasks=tasks, command=tuple(command),
-                        max_restarts=args.max_restarts, log_dir=args.log_dir,
-                        gpus_per_task=args.gpus_per_task,
-                        collective_timeout=args.collective_timeout,
-                        grace_period=args.grace_period, private=not args.no_private)
+    config = LaunchConfig(spec=spec, tasks=tasks, command=tuple(command),
+                          max_restarts=args.max_restarts, log_dir=args.log_dir,
+                          gpus_per_task=args.gpus_per_task,
+                          collective_timeout=args.collective_timeout,
+                          grace_period=args.grace_period, private=not args.no_private,
+                          visible_gpus=tuple(placement.visible_gpus(os.environ)))
+    for slot, task in enumerate(tasks):  # Placement errors now, before anything starts.
+        task_env(config, spec.with_free_ports() if _has_free_ports(spec) else spec, task, slot, dict(os.environ))
+    return config
+
+
+def _has_free_ports(spec: ClusterSpec) -> bool:
+    return any(split_address(spec.address(task))[1] == 0 for task in spec.tasks)
 
 
 def main(argv: list[str] | None = None) -> int:

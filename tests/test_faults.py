@@ -156,7 +156,7 @@ def test_host_cut_off_fails_within_the_timeout_and_comes_back(tmp_path):
         procs = [
             subprocess.Popen(
                 ["ip", "netns", "exec", name, sys.executable, "-m", "distrib_tf.launch", f"--cluster_spec={spec}",
-                 "--max_restarts=4", "--grace_period=2", "--collective_timeout=5", "--",
+                 "--max_restarts=4", "--grace_period=2", "--collective_timeout=10", "--",
                  sys.executable, "-m", "distrib_tf.train", "--epochs=4", "--steps_per_epoch=40",
                  f"--model_dir={model_dir}"],
                 env=ENV, stdout=out, stderr=subprocess.STDOUT)
@@ -187,7 +187,9 @@ def test_host_cut_off_fails_within_the_timeout_and_comes_back(tmp_path):
     assert re.search(r"DeadlineExceeded|Collective has timed out|task:1|unhealthy", texts[0]), texts[0][-3000:]
     assert codes == [0, 0], [t[-2000:] for t in texts]
     summary = json.loads((model_dir / "summary.json").read_text())
-    assert summary["epochs"][-1]["epoch"] == 4
+    # Finished: the last attempt trained up to epoch 4, or resumed at the very end (a
+    # failure in the final evaluate, after the last backup, restarts there).
+    assert (summary["epochs"] and summary["epochs"][-1]["epoch"] == 4) or summary["resumed_at_step"] == 4 * 40, summary
 
 
 def test_sigkill_while_a_backup_is_written_leaves_one_that_restores(tmp_path):

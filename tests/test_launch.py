@@ -34,10 +34,10 @@ def run_launch(args, timeout=300):
 def test_task_env_is_pure_and_complete():
     spec = ClusterSpec.from_dict({"cluster": {"worker": ["127.0.0.1:5000", "127.0.0.1:5001"]}})
     config = launch.LaunchConfig(spec=spec, tasks=spec.tasks, command=("true",), gpus_per_task=2,
-                                 collective_timeout=7.5)
+                                 collective_timeout=7.5, visible_gpus=("4", "5", "6", "7"))
     env = launch.task_env(config, spec, Task("worker", 1), 1, {"PATH": "/bin"})
     assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": 1}
-    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["CUDA_VISIBLE_DEVICES"] == "6,7" and env["LOCAL_RANK"] == "1" and env["LOCAL_WORLD_SIZE"] == "2"
     assert env["DISTRIB_TF_COLLECTIVE_TIMEOUT"] == "7.5" and env["PATH"] == "/bin"
 
 

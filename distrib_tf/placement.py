@@ -1,0 +1,93 @@
+"""Where each task of a host runs: its local rank and its GPUs, like torchrun's `LOCAL_RANK`.
+
+Every task started on a host gets a local rank: `SLURM_LOCALID` under Slurm, else its
+order among the tasks this launcher starts. The tasks share the GPUs the launcher was
+given: its own `CUDA_VISIBLE_DEVICES` when set (Slurm and Kubernetes hand out GPUs that
+way), else every GPU `nvidia-smi -L` lists. Then:
+
+- `--gpus_per_task=N`: local rank r gets the GPUs r*N ... r*N+N-1 of that list;
+- no flag, several local tasks and GPUs present: they are split evenly (refused in one
+  line when they do not divide);
+- no flag and one local task: the environment is left alone.
+
+Each task's environment gets `LOCAL_RANK` and `LOCAL_WORLD_SIZE`, and `CUDA_VISIBLE_DEVICES`
+when GPUs were placed. No TensorFlow here.
+
+Example:
+
+    >>> gpus_for(local_rank=1, local_tasks=2, visible=["4", "5", "6", "7"], gpus_per_task=0)
+    ['6', '7']
+"""
+
+import shutil
+import subprocess
+from collections.abc import Mapping
+
+
+def visible_gpus(environ: Mapping[str, str]) -> list[str]:
+    """The GPUs this launcher may hand out: its `CUDA_VISIBLE_DEVICES`, else those it sees."""
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU ")]
+
+
+def gpus_for(*, local_rank: int, local_tasks: int, visible: list[str], gpus_per_task: int) -> list[str] | None:
+    """The GPUs of `local_rank`, or `None` to leave `CUDA_VISIBLE_DEVICES` alone.
+
+    Raises:
+        ValueError: the GPUs asked for do not fit the ones visible, or do not divide.
+    """
+    shown = f"CUDA_VISIBLE_DEVICES={','.join(visible)!r}" if visible else "no GPU"
+    if gpus_per_task:
+        if local_tasks * gpus_per_task > len(visible):
+            raise ValueError(
+                f"Invalid value for `--gpus_per_task`. Received: {gpus_per_task} for each of "
+                f"{local_tasks} task(s) on this host, while the launcher sees {shown}. Expected "
+                f"at most {len(visible) // max(local_tasks, 1)} GPU(s) per task.")
+        return visible[local_rank * gpus_per_task:(local_rank + 1) * gpus_per_task]
+    if local_tasks < 2 or not visible:
+        return None
+    if len(visible) % local_tasks:
+        raise ValueError(
+            f"Invalid value for `--gpus_per_task`. Received: none, with {local_tasks} tasks on this "
+            f"host sharing {len(visible)} GPUs ({shown}), which do not divide evenly. Expected "
+            "--gpus_per_task=N with N times the tasks at most the GPUs.")
+    share = len(visible) // local_tasks
+    return visible[local_rank * share:(local_rank + 1) * share]
+
+
+def placement_env(*, local_rank: int, local_tasks: int, visible: list[str], gpus_per_task: int) -> dict[str, str]:
+    """The variables a task gets for its place on this host. Pure."""
+    env = {"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_tasks)}
+    gpus = gpus_for(local_rank=local_rank, local_tasks=local_tasks, visible=visible,
+                    gpus_per_task=gpus_per_task)
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    return env
+
+
+def slurm_local_rank(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    """`(SLURM_LOCALID, tasks of this step on this node)`, or `None` outside Slurm."""
+    if "SLURM_LOCALID" not in environ:
+        return None
+    from distrib_tf.cluster import _expand_counts  # pylint: disable=import-outside-toplevel
+
+    try:
+        per_node = _expand_counts(environ.get("SLURM_STEP_TASKS_PER_NODE") or environ["SLURM_TASKS_PER_NODE"])
+        local_rank, local_tasks = int(environ["SLURM_LOCALID"]), per_node[int(environ.get("SLURM_NODEID", "0"))]
+        if not 0 <= local_rank < local_tasks:
+            raise ValueError(local_rank)
+        return local_rank, local_tasks
+    except (KeyError, ValueError, IndexError) as e:
+        raise ValueError(
+            "Invalid value for `SLURM_LOCALID`, `SLURM_NODEID` or `SLURM_STEP_TASKS_PER_NODE` in "
+            f"the SLURM_* environment. Received: {environ.get('SLURM_LOCALID')!r}, "
+            f"{environ.get('SLURM_NODEID')!r}, {environ.get('SLURM_STEP_TASKS_PER_NODE')!r}. "
+            "Expected a local id below this node's task count.") from e
+
