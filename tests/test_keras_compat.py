@@ -41,8 +41,8 @@ def check_two_worker_run(out, results):
     # Only the chief writes into the shared directories.
     assert chief["saved"] and not other["saved"], (chief["saved"], other["saved"])
     events = glob.glob(os.path.join(out, "shared", "logs", "**", "events.out.*"), recursive=True)
-    writers = {os.path.basename(e).split(".")[-3] for e in events}
-    assert str(chief["pid"]) in writers and str(other["pid"]) not in writers, events
+    assert events and chief["tensorboard_dir"] == os.path.join(out, "shared", "logs")
+    assert not other["tensorboard_dir"].startswith(os.path.join(out, "shared")), other["tensorboard_dir"]
     return chief
 
 

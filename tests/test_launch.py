@@ -207,3 +207,35 @@ def test_two_slurm_tasks_train_under_srun(tmp_path):
     with open(tmp_path / "run" / "summary.json") as f:
         summary = json.load(f)
     assert summary["workers"] == 2 and summary["strategy"] == "MultiWorkerMirroredStrategy"
+
+
+def _processes_with(argv: str) -> list[int]:
+    """Processes whose whole command line is `argv` (words separated by spaces)."""
+    wanted = argv.replace(" ", "\0").encode() + b"\0"
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read() == wanted:
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def test_killed_launcher_leaves_no_grandchild(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("a PID namespace per task needs root here; elsewhere only the tasks die with the launcher")
+    token = f"{2900 + os.getpid() % 97}.25"  # A sleep of its own, to find its processes.
+    script = (f"sleep {token} & python3 -c 'import time; print(\"up\", flush=True); time.sleep(300)'")
+    with open(tmp_path / "launcher.out", "w+") as out:
+        proc, _ = start_and_wait_for(launch_cmd("local_2workers.json", "bash", "-c", script),
+                                     out, marker="] up", count=2, env=ENV, timeout=60)
+        assert len(_processes_with(f"sleep {token}")) == 2  # One grandchild per task.
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while _processes_with(f"sleep {token}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _processes_with(f"sleep {token}")

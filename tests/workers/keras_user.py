@@ -96,7 +96,11 @@ def main():
     )
     with open(os.path.join(args.out, f"{task.replace(':', '_')}.json"), "w") as f:
         json.dump({
-            "pid": os.getpid(),
+            # This process as the host sees it: tasks may run in PID namespaces of their own,
+            # where os.getpid() is the same for every task; /proc here is the host's.
+            "pid": int(os.readlink("/proc/self")),
+            # Where this worker's TensorBoard events went (a scratch directory off the chief).
+            "tensorboard_dir": getattr(callbacks[-1], "_distrib_tf_scratch", None) or callbacks[-1].log_dir,
             "replicas": strategy.num_replicas_in_sync,
             "epochs_run": epochs_run,
             "saved": saved,

@@ -1,0 +1,74 @@
+"""The first process of every task: it dies with the launcher and takes the task along.
+
+Run by `distrib_tf.supervise` as `python _task_init.py LAUNCHER_PID COMMAND...` (a file,
+not a module of the package: it imports nothing of distrib_tf). It
+
+1. asks Linux to SIGKILL it when the launcher dies (`PR_SET_PDEATHSIG`), and gives up if
+   the launcher is already gone;
+2. where the kernel allows (root), opens a new PID namespace whose first process (a
+   copy of this one, PID 1) dies with this one and runs COMMAND as PID 2: when PID 1
+   dies the kernel kills everything left in the namespace, so a killed launcher leaves
+   no grandchild behind either (`bash -c 'sleep 300 & ...'`). Both forward SIGTERM,
+   SIGINT, SIGHUP and SIGUSR1/2 down to COMMAND, which handles signals as usual (not
+   as a PID 1), and this process ends as COMMAND ended: its exit code, or killed by the
+   same signal (an exit code above 128 reads as a signal);
+3. where namespaces are refused, simply becomes COMMAND (`exec`): the launcher's death
+   still kills the task, not its own children.
+
+This replaces a `preexec_fn`, which the Python documentation warns can deadlock in a
+process with threads (the launcher has its output pumps). Inside the namespace COMMAND
+sees itself as PID 2 (`os.getpid()`), whichever task it is.
+"""
+
+import ctypes
+import os
+import signal
+import sys
+
+_CLONE_NEWPID = 0x20000000
+_PR_SET_PDEATHSIG = 1
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _supervise(pid: int, *, reap_all: bool) -> int:
+    """Forwards signals to `pid` until it ends; returns how it ended as an exit code."""
+    def forward(signum, frame):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
+    while True:
+        ended, status = os.waitpid(-1 if reap_all else pid, 0)  # PID 1 reaps orphans too.
+        if ended == pid:
+            return status
+
+
+def main():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(sys.argv[1]):
+        os._exit(137)  # The launcher died before we could ask to die with it.
+    command = sys.argv[2:]
+    if libc.unshare(_CLONE_NEWPID) != 0:
+        os.execvp(command[0], command)
+    init = os.fork()  # The first child after unshare is PID 1 of the new namespace.
+    if init == 0:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # Dies with us; the kernel empties the namespace.
+        task = os.fork()
+        if task == 0:
+            os.execvp(command[0], command)  # PID 2: ordinary signal handling.
+        status = _supervise(task, reap_all=True)
+        # PID 1 cannot die of a signal it sends itself: report it as 128 + signal.
+        os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+    code = os.waitstatus_to_exitcode(_supervise(init, reap_all=False))
+    if code > 128 and code - 128 in signal.valid_signals():
+        signal.signal(code - 128, signal.SIG_DFL)
+        os.kill(os.getpid(), code - 128)  # End as the task ended: killed by that signal.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
