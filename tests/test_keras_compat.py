@@ -42,7 +42,7 @@ def check_two_worker_run(out, results):
     assert chief["saved"] and not other["saved"], (chief["saved"], other["saved"])
     events = glob.glob(os.path.join(out, "shared", "logs", "**", "events.out.*"), recursive=True)
     assert events and chief["tensorboard_dir"] == os.path.join(out, "shared", "logs")
-    assert not other["tensorboard_dir"].startswith(os.path.join(out, "shared")), other["tensorboard_dir"]
+    assert not other["tensorboard_dir"].startswith(os.path.join(out, "shared")), (other["tensorboard_dir"], events)
     return chief
 
 
