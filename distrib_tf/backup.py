@@ -29,6 +29,7 @@ import glob
 import json
 import os
 import re
+import tempfile
 
 import keras
 import numpy as np
@@ -132,6 +133,14 @@ class WorkerBackup(keras.callbacks.Callback):
             for path in (_meta_path(self.directory, old["step"]), _weights_path(self.directory, old["step"])):
                 if os.path.exists(path):
                     os.remove(path)
+
+
+def write_json_atomically(path: str, content: dict) -> None:
+    """Writes `content` to `path` through a temporary file and a rename: whole or not at all."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(content, f, indent=2)
+    os.replace(tmp, path)
 
 
 def remove_backups(directory: str) -> None:

@@ -22,10 +22,11 @@ import glob
 import json
 import os
 import re
-import tempfile
 import time
 
 import tensorflow as tf
+
+from distrib_tf import backup
 
 _CHECKPOINT = re.compile(r"epoch(\d+)\.weights\.h5$")
 
@@ -42,13 +43,6 @@ def _checkpoints(model_dir: str) -> list[tuple[int, str]]:
         if match:
             found.append((int(match.group(1)), path))
     return sorted(found)
-
-
-def _write_json_atomically(path: str, content: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(content, f, indent=2)
-    os.replace(tmp, path)
 
 
 def evaluate_checkpoints(model, dataset, *, steps: int, model_dir: str, last_epoch: int,
@@ -85,7 +79,7 @@ def evaluate_checkpoints(model, dataset, *, steps: int, model_dir: str, last_epo
                 for name, value in metrics.items():
                     tf.summary.scalar(f"eval/{name}", float(value), step=epoch)
             writer.flush()
-            _write_json_atomically(json_path, {"checkpoints": sorted(results, key=lambda r: r["epoch"])})
+            backup.write_json_atomically(json_path, {"checkpoints": sorted(results, key=lambda r: r["epoch"])})
             print(f"evaluator: epoch {epoch} " + " ".join(
                 f"{k}={float(v):.4g}" for k, v in sorted(metrics.items())), flush=True)
         if last_epoch not in done:

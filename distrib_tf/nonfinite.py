@@ -28,7 +28,10 @@ Example:
 import math
 
 import keras
+import numpy as np
 import tensorflow as tf
+
+from distrib_tf import backup
 
 EXIT_NONFINITE = 65  # EX_DATAERR: retrying resumes into the same NaN.
 METRIC = "nonfinite_replicas"
@@ -98,3 +101,14 @@ class StopOnNonFinite(keras.callbacks.Callback):
         culprits = [f"replica {r} ({task})" for r, task in enumerate(self.workers) if mask >> r & 1]
         epoch = (self.step - 1) // self.steps_per_epoch + 1
         raise NonFiniteLoss(self.step, epoch, culprits)
+
+
+def name_input_culprits(error: NonFiniteLoss, strategy, replica_tasks, batches) -> None:
+    """Reads the failed step's input batch again (`batches` starts there) on every worker;
+    names in `error` the tasks whose batch held a NaN or Inf (one all-gather)."""
+    x = next(iter(batches))[0]
+    bad = any(not np.isfinite(t.numpy()).all() for t in strategy.experimental_local_results(x))
+    rows = backup.gather_rows(strategy, np.array([int(bad)]))
+    culprits = sorted({task for task, row in zip(replica_tasks, rows) if row[0]})
+    if culprits:
+        error.culprits, error.where = culprits, "input batch"

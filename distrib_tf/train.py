@@ -21,11 +21,9 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 
 import keras
-import numpy as np
 from absl import app
 from absl import flags
 from absl import logging as absl_logging
@@ -241,7 +239,7 @@ def run_job(job: Job) -> dict:
                 callbacks=callbacks, verbose=verbose, shuffle=False,  # The pipeline shuffles.
             )
         except nonfinite.NonFiniteLoss as e:
-            _name_input_culprits(e, job, distributed("train", e.step - 1))
+            nonfinite.name_input_culprits(e, job.strategy, job.replica_tasks, distributed("train", e.step - 1))
             if config.on_nan == "stop" or len(rollbacks) == config.max_rollbacks:
                 raise
             step = _roll_back(model, backup_dir, config, job, e)
@@ -276,18 +274,8 @@ def run_job(job: Job) -> dict:
     # Every worker: identical weights on all of them is the point of synchronous training.
     print(f"{job.task} final weights sha256 {summary['weights_sha256']}", flush=True)
     if job.is_chief:
-        _write_json_atomically(os.path.join(job.model_dir, "summary.json"), summary)
+        backup.write_json_atomically(os.path.join(job.model_dir, "summary.json"), summary)
     return summary
-
-
-def _name_input_culprits(error, job: Job, batches) -> None:
-    """Reads the failed step's input batch again; names the workers whose batch held NaN or Inf."""
-    x = next(iter(batches))[0]
-    bad = any(not np.isfinite(t.numpy()).all() for t in job.strategy.experimental_local_results(x))
-    rows = backup.gather_rows(job.strategy, np.array([int(bad)]))
-    culprits = sorted({task for task, row in zip(job.replica_tasks, rows) if row[0]})
-    if culprits:
-        error.culprits, error.where = culprits, "input batch"
 
 
 def _roll_back(model, backup_dir: str, config: TrainConfig, job: Job, error) -> int:
@@ -309,13 +297,6 @@ def _steady_rate(seconds: list[float], examples: int) -> float | None:
     """Examples per second, leaving out the first epoch (tracing) when there are others."""
     steady = seconds[1:] or seconds
     return examples * len(steady) / sum(steady) if steady else None
-
-
-def _write_json_atomically(path: str, content: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(content, f, indent=2)
-    os.replace(tmp, path)
 
 
 def train_and_evaluate(config: TrainConfig, model_dir: str) -> dict:

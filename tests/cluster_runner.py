@@ -120,3 +120,11 @@ def weights_difference(got: dict, expected: dict) -> float:
     difference = sum(float(np.sum((got[n].astype(np.float64) - expected[n]) ** 2)) for n in names)
     size = sum(float(np.sum(expected[n].astype(np.float64) ** 2)) for n in names)
     return (difference / size) ** 0.5
+
+
+def kill_left(procs) -> None:
+    """SIGKILLs and reaps whichever of `procs` still run (a test's `finally`)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -19,6 +19,7 @@ import pytest
 
 import netns
 from cluster_runner import QUIET_TF
+from cluster_runner import kill_left
 from cluster_runner import latest_backup
 from cluster_runner import run_single
 
@@ -175,10 +176,7 @@ def test_host_cut_off_fails_within_the_timeout_and_comes_back(tmp_path):
             netns.set_link(hosts, up=True)
             codes = [p.wait(timeout=300) for p in procs]
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            kill_left(procs)
         texts = [_read(out) for out in outs]
         for out in outs:
             out.close()

@@ -16,6 +16,7 @@ import pytest
 
 import netns
 from cluster_runner import QUIET_TF
+from cluster_runner import kill_left
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
@@ -70,10 +71,7 @@ def test_hosts_with_their_own_disks_resume_from_one_point(tmp_path):
             killed = time.monotonic()
             codes = [p.wait(timeout=400) for p in procs]
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            kill_left(procs)
         texts = [_read(log) for log in logs]
     assert codes == [0, 0], [t[-3000:] for t in texts]
     assert "worker:1 was killed by SIGKILL" in texts[1], texts[1][-3000:]

@@ -19,24 +19,25 @@ ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
 pytestmark = pytest.mark.multiworker
 
 
-def _job(model_dir):
+def _job(model_dir, model):
     return [sys.executable, "-m", "distrib_tf.launch", f"--cluster_spec={ROOT}/cluster_specs/local_2workers.json",
-            "--grace_period=30", "--", sys.executable, "-m", "distrib_tf.train", "--epochs=2",
+            "--grace_period=30", "--", sys.executable, "-m", "distrib_tf.train", f"--model={model}", "--epochs=2",
             "--steps_per_epoch=30", f"--model_dir={model_dir}"]
 
 
-def _run(model_dir):
-    result = subprocess.run(_job(model_dir), env=ENV, capture_output=True, text=True, timeout=400)
+def _run(model_dir, model):
+    result = subprocess.run(_job(model_dir, model), env=ENV, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:]
     return result.stdout
 
 
-def test_sigterm_mid_epoch_loses_no_step(tmp_path):
-    reference = _run(tmp_path / "uninterrupted")
+@pytest.mark.parametrize("model", ["cnn", "transformer"])
+def test_sigterm_mid_epoch_loses_no_step(tmp_path, model):
+    reference = _run(tmp_path / "uninterrupted", model)
     model_dir = tmp_path / "preempted"
     log = tmp_path / "launcher.out"
     with open(log, "w") as out:
-        proc = subprocess.Popen(_job(model_dir), env=ENV, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(_job(model_dir, model), env=ENV, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
     while "worker:1 epoch 1/2" not in log.read_text() and time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()[-3000:]
@@ -52,13 +53,13 @@ def test_sigterm_mid_epoch_loses_no_step(tmp_path):
     assert len(steps) == 1, saved  # One step, agreed by both.
     step = steps.pop()
     assert 30 < step < 60, step  # Mid-epoch 2, not at an epoch's end.
-    resumed = _run(model_dir)
+    resumed = _run(model_dir, model)
     assert sorted(re.findall(r"(worker:\d) resumes at step (\d+)", resumed)) == [
         ("worker:0", str(step)), ("worker:1", str(step))], resumed[-3000:]  # 0 steps lost.
     difference = weights_difference(
         checkpoint_arrays(model_dir / "checkpoints" / "epoch002.weights.h5"),
         checkpoint_arrays(tmp_path / "uninterrupted" / "checkpoints" / "epoch002.weights.h5"))
     fingerprints = [set(re.findall(r"final weights sha256 (\w+)", t)) for t in (resumed, reference)]
-    print(f"preempted at step {step} of 60: 0 steps lost; weights differ from an uninterrupted "
+    print(f"{model}: preempted at step {step} of 60: 0 steps lost; weights differ from an uninterrupted "
           f"run by {difference:.2g} (relative L2), bit-identical: {fingerprints[0] == fingerprints[1]}")
     assert difference <= 1e-6
