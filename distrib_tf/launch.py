@@ -66,7 +66,6 @@ from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import Task
 from distrib_tf.cluster import load_slurm_cluster
 from distrib_tf.cluster import parse_task
-from distrib_tf.cluster import split_address
 from distrib_tf.isolation import enter_private_network
 from distrib_tf.isolation import is_loopback_only
 from distrib_tf.supervise import EXIT_FAILED
@@ -79,6 +78,7 @@ from distrib_tf.supervise import LaunchConfig
 from distrib_tf.supervise import LaunchResult
 from distrib_tf.supervise import run
 from distrib_tf.supervise import task_env
+from distrib_tf.supervise import task_placement
 
 __all__ = [
     "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_OK", "EXIT_PREEMPTED", "EXIT_USAGE",
@@ -189,13 +189,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                           collective_timeout=args.collective_timeout,
                           grace_period=args.grace_period, private=not args.no_private,
                           visible_gpus=tuple(placement.visible_gpus(os.environ)))
-    for slot, task in enumerate(tasks):  # Placement errors now, before anything starts.
-        task_env(config, spec.with_free_ports() if _has_free_ports(spec) else spec, task, slot, dict(os.environ))
+    for slot in range(len(tasks)):  # Placement errors now, before anything starts.
+        task_placement(config, slot, dict(os.environ))
     return config
-
-
-def _has_free_ports(spec: ClusterSpec) -> bool:
-    return any(split_address(spec.address(task))[1] == 0 for task in spec.tasks)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,14 +65,22 @@ class LaunchResult:
         return self.exit_code != EXIT_OK
 
 
+def task_placement(config: LaunchConfig, slot: int, base_env: dict[str, str]) -> dict[str, str]:
+    """`LOCAL_RANK`, `LOCAL_WORLD_SIZE` and the GPUs of the `slot`-th local task. Pure.
+
+    Raises:
+        ValueError: the GPUs asked for do not fit or do not divide (`distrib_tf.placement`).
+    """
+    local_rank, local_tasks = placement.slurm_local_rank(base_env) or (slot, len(config.tasks))
+    return placement.placement_env(local_rank=local_rank, local_tasks=local_tasks,
+                                   visible=list(config.visible_gpus), gpus_per_task=config.gpus_per_task)
+
+
 def task_env(config: LaunchConfig, spec: ClusterSpec, task: Task, slot: int,
              base_env: dict[str, str]) -> dict[str, str]:
     """The environment of `task`, the `slot`-th task started on this host. Pure."""
     env = {**base_env, "TF_CONFIG": spec.tf_config(task), "PYTHONUNBUFFERED": "1"}
-    local_rank, local_tasks = placement.slurm_local_rank(base_env) or (slot, len(config.tasks))
-    env.update(placement.placement_env(local_rank=local_rank, local_tasks=local_tasks,
-                                       visible=list(config.visible_gpus),
-                                       gpus_per_task=config.gpus_per_task))
+    env.update(task_placement(config, slot, base_env))
     if config.collective_timeout:
         env["DISTRIB_TF_COLLECTIVE_TIMEOUT"] = str(config.collective_timeout)
     return env
