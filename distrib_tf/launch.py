@@ -12,7 +12,10 @@ on several hosts; or, with `--slurm` inside `srun`, the task of this Slurm task,
 cluster read from the `SLURM_*` variables), each with:
 
 - `TF_CONFIG`: the spec with `:0` ports replaced by free ports (the same for every task
-  of one attempt; new ones for each restart) and the task's own type and index;
+  of one attempt; new ones for each restart) and the task's own type and index. A port
+  another process takes between the pick and TensorFlow's bind starts the group again
+  with fresh ports, without spending a restart. Port 0 is refused where launchers would
+  pick independently (`--task`, `--task_ordinal`, a spec with other hosts);
 - `LOCAL_RANK` and `LOCAL_WORLD_SIZE` (`SLURM_LOCALID` under Slurm, else its order among
   this launcher's tasks), and `CUDA_VISIBLE_DEVICES`: with `--gpus_per_task=N` local rank
   r gets GPUs r*N ... r*N+N-1 of those the launcher was given (its own
@@ -62,9 +65,9 @@ import shutil
 import sys
 
 from distrib_tf import placement
+from distrib_tf import slurm
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import Task
-from distrib_tf.cluster import load_slurm_cluster
 from distrib_tf.cluster import parse_task
 from distrib_tf.isolation import enter_private_network
 from distrib_tf.isolation import is_loopback_only
@@ -145,25 +148,39 @@ def _select_tasks(args: argparse.Namespace) -> tuple[ClusterSpec, tuple[Task, ..
                              "from SLURM_*, and restarts are Slurm's (`srun --kill-on-bad-exit=1`, "
                              "requeue). Expected no --cluster_spec, --task, --task_ordinal or "
                              "--max_restarts.")
-        spec, task = load_slurm_cluster()
+        spec, task = slurm.load_cluster()
         return spec, (task,)
     if not args.cluster_spec:
         raise ValueError("Missing `--cluster_spec`. Expected a JSON spec file, such as "
                          "--cluster_spec=cluster_specs/local_2workers.json (or --slurm inside srun).")
     spec = ClusterSpec.from_file(args.cluster_spec)
     if args.task:
-        return spec, (spec.check_task(parse_task(args.task)),)
+        task = spec.check_task(parse_task(args.task))
+        _refuse_free_ports(spec, "--task")
+        return spec, (task,)
     if args.task_ordinal is not None:
         if not 0 <= args.task_ordinal < len(spec.tasks):
             raise ValueError(f"Invalid value for `--task_ordinal`. Received: {args.task_ordinal}. "
                              f"Expected 0 to {len(spec.tasks) - 1} for the tasks of {spec.source}.")
+        _refuse_free_ports(spec, "--task_ordinal")
         return spec, (spec.tasks[args.task_ordinal],)
     tasks = spec.local_tasks()
     if not tasks:
         raise ValueError(
             f"No task of {args.cluster_spec} lives on this host: none of its addresses "
             "is an address of this machine. Pass --task=TYPE:INDEX to name this host's task.")
+    if set(tasks) != set(spec.tasks):
+        _refuse_free_ports(spec, "a spec with tasks on other hosts")
     return spec, tasks
+
+
+def _refuse_free_ports(spec: ClusterSpec, why: str) -> None:
+    """Port 0 works only when one launcher starts every task: the others cannot know it."""
+    for task in spec.tasks:
+        if spec.address(task).endswith(":0"):
+            raise ValueError(
+                f"Invalid value for `{task}` in {spec.source}. Received: {spec.address(task)!r} "
+                f"with {why}. Expected a fixed port: each launcher would pick its own for port 0.")
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:

@@ -8,7 +8,9 @@ way), else every GPU `nvidia-smi -L` lists. Then:
 - `--gpus_per_task=N`: local rank r gets the GPUs r*N ... r*N+N-1 of that list;
 - no flag, several local tasks and GPUs present: they are split evenly (refused in one
   line when they do not divide);
-- no flag and one local task: the environment is left alone.
+- no flag and one local task: the environment is left alone;
+- under Slurm's `--gpus-per-task` (`SLURM_GPUS_PER_TASK`), what a task sees is its own:
+  it is not shared out again.
 
 Each task's environment gets `LOCAL_RANK` and `LOCAL_WORLD_SIZE`, and `CUDA_VISIBLE_DEVICES`
 when GPUs were placed. No TensorFlow here.
@@ -62,32 +64,16 @@ def gpus_for(*, local_rank: int, local_tasks: int, visible: list[str], gpus_per_
     return visible[local_rank * share:(local_rank + 1) * share]
 
 
-def placement_env(*, local_rank: int, local_tasks: int, visible: list[str], gpus_per_task: int) -> dict[str, str]:
-    """The variables a task gets for its place on this host. Pure."""
+def placement_env(*, local_rank: int, local_tasks: int, visible: list[str], gpus_per_task: int,
+                  bound_per_task: bool = False) -> dict[str, str]:
+    """The variables a task gets for its place on this host. Pure.
+
+    `bound_per_task`: the GPUs visible are this task's alone (Slurm's `--gpus-per-task`),
+    so they are not shared out again.
+    """
     env = {"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_tasks)}
-    gpus = gpus_for(local_rank=local_rank, local_tasks=local_tasks, visible=visible,
-                    gpus_per_task=gpus_per_task)
+    rank, tasks = (0, 1) if bound_per_task else (local_rank, local_tasks)
+    gpus = gpus_for(local_rank=rank, local_tasks=tasks, visible=visible, gpus_per_task=gpus_per_task)
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     return env
-
-
-def slurm_local_rank(environ: Mapping[str, str]) -> tuple[int, int] | None:
-    """`(SLURM_LOCALID, tasks of this step on this node)`, or `None` outside Slurm."""
-    if "SLURM_LOCALID" not in environ:
-        return None
-    from distrib_tf.cluster import _expand_counts  # pylint: disable=import-outside-toplevel
-
-    try:
-        per_node = _expand_counts(environ.get("SLURM_STEP_TASKS_PER_NODE") or environ["SLURM_TASKS_PER_NODE"])
-        local_rank, local_tasks = int(environ["SLURM_LOCALID"]), per_node[int(environ.get("SLURM_NODEID", "0"))]
-        if not 0 <= local_rank < local_tasks:
-            raise ValueError(local_rank)
-        return local_rank, local_tasks
-    except (KeyError, ValueError, IndexError) as e:
-        raise ValueError(
-            "Invalid value for `SLURM_LOCALID`, `SLURM_NODEID` or `SLURM_STEP_TASKS_PER_NODE` in "
-            f"the SLURM_* environment. Received: {environ.get('SLURM_LOCALID')!r}, "
-            f"{environ.get('SLURM_NODEID')!r}, {environ.get('SLURM_STEP_TASKS_PER_NODE')!r}. "
-            "Expected a local id below this node's task count.") from e
-

@@ -15,12 +15,16 @@ import time
 
 from distrib_tf import isolation
 from distrib_tf import placement
+from distrib_tf import slurm
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import Task
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 75, 130
 EXIT_NONFINITE = 65  # The main job's NaN/Inf stop: a restart would resume into it again.
 TAIL_LINES = 20
+# TensorFlow's error when its gRPC server cannot listen on its port (taken by another process).
+GRPC_START_FAILURE = "Could not start gRPC server"
+MAX_PORT_RETRIES = 3  # Fresh ports after a port race, not counted as restarts.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +75,10 @@ def task_placement(config: LaunchConfig, slot: int, base_env: dict[str, str]) ->
     Raises:
         ValueError: the GPUs asked for do not fit or do not divide (`distrib_tf.placement`).
     """
-    local_rank, local_tasks = placement.slurm_local_rank(base_env) or (slot, len(config.tasks))
+    local_rank, local_tasks = slurm.local_rank(base_env) or (slot, len(config.tasks))
     return placement.placement_env(local_rank=local_rank, local_tasks=local_tasks,
-                                   visible=list(config.visible_gpus), gpus_per_task=config.gpus_per_task)
+                                   visible=list(config.visible_gpus), gpus_per_task=config.gpus_per_task,
+                                   bound_per_task="SLURM_GPUS_PER_TASK" in base_env)
 
 
 def task_env(config: LaunchConfig, spec: ClusterSpec, task: Task, slot: int,
@@ -187,10 +192,12 @@ def run(config: LaunchConfig) -> LaunchResult:
 
     previous = {sig: signal.signal(sig, record) for sig in (signal.SIGINT, signal.SIGTERM)}
     first_failure = None
-    attempt = 0
+    attempt = restarts = port_retries = 0
     try:
-        for attempt in range(1, config.max_restarts + 2):
-            group = _Group(config, config.spec.with_free_ports(), out_lock)
+        while True:
+            attempt += 1
+            spec = config.spec.with_free_ports()
+            group = _Group(config, spec, out_lock)
             while (ended := group.first_exit()) is None and not received:
                 time.sleep(0.1)
             if received:
@@ -205,18 +212,36 @@ def run(config: LaunchConfig) -> LaunchResult:
                 _say(f"{failure.task} was preempted: every worker saved its state; start the "
                      "job again to resume", out_lock)
                 return LaunchResult(EXIT_PREEMPTED, attempt, first_failure)
-            first_failure = first_failure or failure
             if received:
-                return _stop_on_signal(group, received[0], config, attempt, first_failure, out_lock)
+                return _stop_on_signal(group, received[0], config, attempt, first_failure or failure,
+                                       out_lock)
+            taken = _port_taken(config.spec, spec, failure)
+            if taken and port_retries < MAX_PORT_RETRIES:
+                port_retries += 1
+                _say(f"{failure.task} could not listen on {taken}: another process took the port "
+                     "after the launcher picked it; starting again with fresh ports (not counted "
+                     "as a restart)", out_lock)
+                continue
+            first_failure = first_failure or failure
             if ended.returncode in (EXIT_USAGE, EXIT_NONFINITE):  # It would fail again.
                 _report(failure, attempt, 0, out_lock)
                 return LaunchResult(EXIT_USAGE if ended.returncode == EXIT_USAGE else EXIT_FAILED,
                                     attempt, first_failure)
-            _report(failure, attempt, config.max_restarts, out_lock)
-        return LaunchResult(EXIT_FAILED, attempt, first_failure)
+            _report(failure, attempt, config.max_restarts - restarts, out_lock)
+            if restarts == config.max_restarts:
+                return LaunchResult(EXIT_FAILED, attempt, first_failure)
+            restarts += 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _port_taken(requested: ClusterSpec, picked: ClusterSpec, failure: TaskExit) -> str | None:
+    """The address of `failure.task` if its server could not start on a port picked for it."""
+    if requested.address(failure.task).endswith(":0") and any(
+            GRPC_START_FAILURE in line for line in failure.tail):
+        return picked.address(failure.task)
+    return None
 
 
 def _stop_on_signal(group, signum, config, attempt, first_failure, out_lock) -> LaunchResult:
@@ -231,8 +256,7 @@ def _stop_on_signal(group, signum, config, attempt, first_failure, out_lock) -> 
     return LaunchResult(EXIT_INTERRUPTED, attempt, first_failure)
 
 
-def _report(failure: TaskExit, attempt: int, max_restarts: int, out_lock):
-    restarts_left = max_restarts + 1 - attempt
+def _report(failure: TaskExit, attempt: int, restarts_left: int, out_lock):
     next_step = (f"restarting the group ({restarts_left} restart(s) left)" if restarts_left
                  else f"giving up after {attempt} attempt(s)")
     lines = "\n".join(f"[launcher]   {line}" for line in failure.tail[-10:])

@@ -80,8 +80,8 @@ def test_bad_train_flags(existing_model_dir, case):
 @pytest.mark.parametrize("case", CORPUS["launch_args"], ids=lambda c: " ".join(c["args"])[-50:])
 def test_bad_launch_arguments(case):
     args = [a.replace("{SPECS}", SPECS) for a in case["args"]]
-    result = _run(["distrib_tf.launch", *args], timeout=30)
-    assert case["error"] in _one_error_line(result, "distrib-tf-launch")
+    result = _run(["distrib_tf.launch", *args], env=case.get("env"), timeout=30)
+    assert case["error"].replace("{SPECS}", SPECS) in _one_error_line(result, "distrib-tf-launch")
     assert result.stdout == ""
 
 

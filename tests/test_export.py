@@ -10,8 +10,6 @@ import yaml
 
 from distrib_tf import launch
 from distrib_tf.cluster import ClusterSpec
-from distrib_tf.cluster import expand_hostlist
-from distrib_tf.cluster import load_slurm_cluster
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 SPEC = os.path.join(ROOT, "cluster_specs", "local_chief_2workers.json")
@@ -52,18 +50,6 @@ def test_slurm_script_and_cluster_from_slurm_variables():
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --ntasks=3" in result.stdout
     assert "srun --kill-on-bad-exit=1 distrib-tf-launch --slurm -- python -m distrib_tf.train" in result.stdout
-    environ = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "1234",
-               "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
-    spec, task = load_slurm_cluster(environ)
-    assert str(task) == "worker:3"
-    assert spec.jobs["worker"] == ("gpu07:23744", "gpu07:23745", "gpu08:23744", "gpu08:23745")
-    one_node = {**environ, "SLURM_STEP_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "4"}
-    assert load_slurm_cluster(one_node)[0].jobs["worker"][0] == "127.0.0.1:23744"
-
-
-def test_expand_hostlist():
-    assert expand_hostlist("node[01-03,07],login,a[8-10]b") == [
-        "node01", "node02", "node03", "node07", "login", "a8b", "a9b", "a10b"]
 
 
 @pytest.mark.parametrize("args, message", [

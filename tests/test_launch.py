@@ -185,28 +185,22 @@ def test_two_hosts_form_one_cluster(tmp_path):
 
 
 @pytest.mark.multiworker
-def test_two_slurm_tasks_train_under_srun(tmp_path):
-    """Needs a running Slurm (`scripts/slurm_local.sh start DIR`, then SLURM_CONF set).
-
-    Skips without one, except when DISTRIB_TF_REQUIRE_SLURM=1 (CI), where it fails.
-    """
-    import shutil  # pylint: disable=import-outside-toplevel
-
-    ready = shutil.which("srun") and os.environ.get("SLURM_CONF") and subprocess.run(
-        ["sinfo", "-h"], capture_output=True, timeout=20).returncode == 0
-    if not ready:
-        reason = "no Slurm here: start one with scripts/slurm_local.sh (root) and set SLURM_CONF"
-        if os.environ.get("DISTRIB_TF_REQUIRE_SLURM") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    result = run_launch(["srun", "-n", "2", "--kill-on-bad-exit=1", "--time=10", *LAUNCH, "--slurm", "--",
-                         sys.executable, "-m", "distrib_tf.train", "--epochs=1", "--steps_per_epoch=10",
-                         f"--model_dir={tmp_path}/run"], timeout=300)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    assert "[worker:0] final accuracy" in result.stdout
-    with open(tmp_path / "run" / "summary.json") as f:
-        summary = json.load(f)
-    assert summary["workers"] == 2 and summary["strategy"] == "MultiWorkerMirroredStrategy"
+def test_a_port_taken_between_pick_and_bind_costs_no_restart(tmp_path):
+    marker = tmp_path / "taken"
+    take = os.path.join(ROOT, "tests", "workers", "take_port.py")
+    result = run_launch(launch_cmd("local_2workers.json", sys.executable, take, str(marker), "--",
+                                   sys.executable, "-m", "distrib_tf.train", "--epochs=1",
+                                   "--steps_per_epoch=5", f"--model_dir={tmp_path}/run",
+                                   options=["--grace_period=3"]))  # No --max_restarts.
+    assert marker.exists(), result.stdout[-3000:]  # The port was taken.
+    taken = marker.read_text()
+    upstream = "tensorflow.python.framework.errors_impl.UnknownError: Could not start gRPC server"
+    assert f"[worker:0] {upstream}" in result.stdout
+    assert (f"[launcher] worker:0 could not listen on {taken}: another process took the port after "
+            "the launcher picked it; starting again with fresh ports (not counted as a restart)") in result.stdout
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "[launcher] every task succeeded (attempt 2)" in result.stdout
+    assert f"at {taken}" not in result.stdout.split("fresh ports")[1]  # New ports.
 
 
 def _processes_with(argv: str) -> list[int]:

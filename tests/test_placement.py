@@ -37,14 +37,6 @@ def test_gpus_that_do_not_fit_are_refused(visible, per_task, tasks, message):
     assert message in str(raised.value)
 
 
-def test_slurm_local_rank():
-    environ = {"SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
-    assert placement.slurm_local_rank(environ) == (1, 2)
-    assert placement.slurm_local_rank({}) is None
-    with pytest.raises(ValueError, match="Expected a local id below this node's task count"):
-        placement.slurm_local_rank({**environ, "SLURM_LOCALID": "2"})
-
-
 def _launch_env(tmp_path, gpus, *options):
     """Runs two local tasks that print their environment; returns it per task."""
     code = ("import json, os; print('ENV ' + json.dumps({k: os.environ.get(k) for k in "
@@ -72,3 +64,19 @@ def test_gpus_that_do_not_divide_start_nothing(tmp_path):
     assert result.returncode == 2 and not seen and result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "with 2 tasks on this host sharing 3 GPUs" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("bound, expected", [
+    ({}, "7"),  # The node's GPUs, shared out by SLURM_LOCALID.
+    ({"SLURM_GPUS_PER_TASK": "2"}, "6,7"),  # Slurm bound them to this task: kept.
+])
+def test_under_slurm_the_local_rank_is_slurms(bound, expected):
+    code = ("import os; print('ENV', os.environ['LOCAL_RANK'], os.environ['LOCAL_WORLD_SIZE'], "
+            "os.environ['CUDA_VISIBLE_DEVICES'])")
+    step = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "n1",
+            "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_LOCALID": "1"}
+    env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": "6,7", **step, **bound}
+    result = subprocess.run([sys.executable, "-m", "distrib_tf.launch", "--slurm", "--", sys.executable, "-c", code],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"[worker:1] ENV 1 2 {expected}" in result.stdout

@@ -1,0 +1,190 @@
+"""The cluster of a Slurm job step, from the `SLURM_*` variables that `srun` sets.
+
+`distrib-tf-launch --slurm`, run once per Slurm task by `srun`, builds the same cluster in
+every task without talking to the others:
+
+- Task `i` is Slurm task `i` (`SLURM_PROCID`), a `worker` (worker 0 acts as chief), on
+  the node where Slurm's default block distribution puts it. The task checks that this
+  agrees with its own `SLURM_NODEID` and `SLURM_LOCALID` (a cyclic distribution is refused).
+- Host lists are expanded by Slurm's own `scontrol show hostnames`, so every form Slurm
+  writes (`rack[1-2]-n[01-04]`, `a[1,3-5],b`) means what Slurm means.
+- Ports: the step's reserved ports when Slurm reserves them (`SLURM_STEP_RESV_PORTS`,
+  with `MpiParams=ports=...` in slurm.conf; the batch scripts ask `srun --resv-ports`), the
+  local task `l` of every node taking the `l`-th. Without a reservation, a block of ports in
+  20000-32767, below Linux's default ephemeral range, chosen by job id and step id: two
+  steps of one job, or two jobs less than `(32768 - 20000) / (16 * tasks per node)` ids
+  apart, never share one. Reserve ports where jobs are older than that.
+- A single-node step talks over 127.0.0.1.
+
+Every inconsistency is one `ClusterSpecError` line. No TensorFlow here.
+"""
+
+import os
+import shutil
+import subprocess
+from collections.abc import Mapping
+
+from distrib_tf.cluster import ClusterSpec
+from distrib_tf.cluster import ClusterSpecError
+from distrib_tf.cluster import Task
+
+SOURCE = "the SLURM_* environment"
+PORT_RANGE = (20000, 32768)
+STEPS_PER_JOB = 16  # Steps of one job with distinct fallback ports.
+
+
+def _invalid(name: str, received, expected: str) -> ClusterSpecError:
+    return ClusterSpecError(f"Invalid value for `{name}` in {SOURCE}. Received: {received!r}. "
+                            f"Expected {expected}.")
+
+
+def hostnames(hostlist: str) -> list[str]:
+    """The host names of a Slurm host list, expanded by `scontrol show hostnames`."""
+    if "[" not in hostlist:
+        return [h for h in hostlist.split(",") if h]
+    if shutil.which("scontrol") is None:
+        raise _invalid("SLURM_STEP_NODELIST", hostlist, "to run where Slurm's `scontrol` is on PATH")
+    try:
+        result = subprocess.run(["scontrol", "show", "hostnames", hostlist],
+                                capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        result = None
+    if result is None or result.returncode != 0 or not result.stdout.split():
+        why = "timed out" if result is None else (result.stderr.strip().splitlines() or ["failed"])[-1]
+        raise _invalid("SLURM_STEP_NODELIST", hostlist, f"a host list `scontrol` expands ({why})")
+    return result.stdout.split()
+
+
+def tasks_per_node(text: str) -> list[int]:
+    """`2(x3),1` (Slurm's tasks per node) into `[2, 2, 2, 1]`.
+
+    Raises:
+        ValueError: not in that form.
+    """
+    counts = []
+    for part in text.split(","):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * int(repeat.removesuffix(")") or 1)
+    return counts
+
+
+def reserved_ports(text: str) -> list[int]:
+    """`12000-12002,12007` (Slurm's reserved ports) into `[12000, 12001, 12002, 12007]`."""
+    ports = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        ports += range(int(low), int(high or low) + 1)
+    return ports
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default.
+
+
+def step_ports(environ: Mapping[str, str], width: int) -> list[int]:
+    """The `width` ports of this step on each node: reserved by Slurm, else by job and step id."""
+    if "SLURM_STEP_RESV_PORTS" in environ:
+        text = environ["SLURM_STEP_RESV_PORTS"]
+        try:
+            ports = reserved_ports(text)
+        except ValueError:
+            raise _invalid("SLURM_STEP_RESV_PORTS", text, "port ranges such as '12000-12003'") from None
+        if len(ports) < width:
+            raise _invalid("SLURM_STEP_RESV_PORTS", text,
+                           f"at least {width} ports, one per task on a node (srun --resv-ports={width})")
+        return ports[:width]
+    try:
+        job, step = int(environ.get("SLURM_JOB_ID", "0")), int(environ.get("SLURM_STEP_ID", "0"))
+    except ValueError:
+        raise _invalid("SLURM_JOB_ID", environ.get("SLURM_JOB_ID"), "integer job and step ids") from None
+    low, high = PORT_RANGE
+    slots = (high - low) // width
+    base = low + ((job * STEPS_PER_JOB + step % STEPS_PER_JOB) % slots) * width
+    ports = list(range(base, base + width))
+    ephemeral = _ephemeral_range()
+    if any(ephemeral[0] <= p <= ephemeral[1] for p in ports):
+        raise _invalid("SLURM_STEP_RESV_PORTS", None,
+                       f"reserved ports (srun --resv-ports, MpiParams=ports=... in slurm.conf): this "
+                       f"node's ephemeral ports {ephemeral[0]}-{ephemeral[1]} overlap the fallback "
+                       f"ports {ports[0]}-{ports[-1]}")
+    return ports
+
+
+def _integer(environ: Mapping[str, str], *names: str) -> int:
+    for name in names:
+        if name in environ:
+            try:
+                return int(environ[name])
+            except ValueError:
+                raise _invalid(name, environ[name], "an integer") from None
+    raise ClusterSpecError(f"Missing `{names[0]}` in {SOURCE}. Expected to run inside `srun` "
+                           "(a Slurm job step).")
+
+
+def load_cluster(environ: Mapping[str, str] | None = None) -> tuple[ClusterSpec, Task]:
+    """The cluster of this Slurm step and this process's task.
+
+    Raises:
+        ClusterSpecError: not inside a Slurm step, or variables that disagree.
+    """
+    environ = os.environ if environ is None else environ
+    procid = _integer(environ, "SLURM_PROCID")
+    ntasks = _integer(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    nodelist_name = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in environ else "SLURM_JOB_NODELIST"
+    counts_name = ("SLURM_STEP_TASKS_PER_NODE" if "SLURM_STEP_TASKS_PER_NODE" in environ
+                   else "SLURM_TASKS_PER_NODE")
+    if nodelist_name not in environ or counts_name not in environ:
+        raise ClusterSpecError(f"Missing `SLURM_STEP_NODELIST` or `SLURM_STEP_TASKS_PER_NODE` in "
+                               f"{SOURCE}. Expected to run inside `srun` (a Slurm job step).")
+    nodes = hostnames(environ[nodelist_name])
+    try:
+        per_node = tasks_per_node(environ[counts_name])
+    except ValueError:
+        raise _invalid(counts_name, environ[counts_name], "counts such as '2(x3),1'") from None
+    if len(per_node) != len(nodes) or sum(per_node) != ntasks:
+        raise _invalid(counts_name, environ[counts_name],
+                       f"{len(nodes)} counts (one per node of {nodelist_name}={environ[nodelist_name]!r}) "
+                       f"adding up to {ntasks} tasks")
+    if not 0 <= procid < ntasks:
+        raise _invalid("SLURM_PROCID", procid, f"0 to {ntasks - 1}, for a step of {ntasks} tasks")
+    placed = [(node, local) for node, count in enumerate(per_node) for local in range(count)]
+    node_id, local_id = placed[procid]
+    found = (_integer(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else node_id,
+             _integer(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else local_id)
+    if found != (node_id, local_id):
+        raise _invalid("SLURM_NODEID, SLURM_LOCALID", found,
+                       f"{(node_id, local_id)} for task {procid} placed block by block (srun's default "
+                       f"distribution; SLURM_DISTRIBUTION={environ.get('SLURM_DISTRIBUTION')!r} is not "
+                       "supported)")
+    ports = step_ports(environ, max(per_node))
+    addresses = [f"{'127.0.0.1' if len(nodes) == 1 else nodes[node]}:{ports[local]}"
+                 for node, local in placed]
+    spec = ClusterSpec({"worker": tuple(addresses)}, source=SOURCE)
+    return spec, spec.check_task(Task("worker", procid))
+
+
+def local_rank(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    """`(SLURM_LOCALID, tasks of this step on this node)`, or `None` outside Slurm.
+
+    Raises:
+        ValueError: variables that disagree.
+    """
+    if "SLURM_LOCALID" not in environ:
+        return None
+    counts = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", "")
+    try:
+        local, node = int(environ["SLURM_LOCALID"]), int(environ.get("SLURM_NODEID", "0"))
+        count = tasks_per_node(counts)[node]
+        if not 0 <= local < count:
+            raise ValueError(local)
+        return local, count
+    except (ValueError, IndexError):
+        raise ValueError(
+            "Invalid value for `SLURM_LOCALID`, `SLURM_NODEID` or `SLURM_STEP_TASKS_PER_NODE` in "
+            f"{SOURCE}. Received: {environ.get('SLURM_LOCALID')!r}, {environ.get('SLURM_NODEID')!r}, "
+            f"{counts!r}. Expected a local id below this node's task count.") from None

@@ -1,0 +1,153 @@
+"""Slurm: the cluster of a step from SLURM_*, real jobs on one node and across two nodes.
+
+The job tests need root and Debian's slurm-wlm. The one-node cluster is the one `.ci/run`
+starts (`scripts/slurm_local.sh`, SLURM_CONF set); the two-node cluster is started here
+(`scripts/slurm_two_nodes.sh`). They skip without Slurm, except when
+DISTRIB_TF_REQUIRE_SLURM=1 (CI), where they fail.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from cluster_runner import QUIET_TF
+from distrib_tf import slurm
+from distrib_tf.cluster import ClusterSpecError
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
+LAUNCH = [sys.executable, "-m", "distrib_tf.launch", "--slurm", "--"]
+STEP = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NODELIST": "gpu07,gpu08", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        "SLURM_NODEID": "1", "SLURM_LOCALID": "1"}
+
+
+def _need_slurm(why: str):
+    if os.environ.get("DISTRIB_TF_REQUIRE_SLURM") == "1":
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+def test_cluster_of_a_step_with_reserved_ports():
+    spec, task = slurm.load_cluster({**STEP, "SLURM_STEP_RESV_PORTS": "12007-12009"})
+    assert str(task) == "worker:3"
+    assert spec.jobs["worker"] == ("gpu07:12007", "gpu07:12008", "gpu08:12007", "gpu08:12008")
+    one_node = {**STEP, "SLURM_STEP_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "4",
+                "SLURM_NODEID": "0", "SLURM_LOCALID": "3", "SLURM_STEP_RESV_PORTS": "12000,12002-12004"}
+    assert slurm.load_cluster(one_node)[0].jobs["worker"] == (
+        "127.0.0.1:12000", "127.0.0.1:12002", "127.0.0.1:12003", "127.0.0.1:12004")
+
+
+def test_fallback_ports_differ_between_steps_and_nearby_jobs_and_avoid_ephemeral_ports():
+    blocks = {}
+    for job in range(1000, 1100):
+        for step in range(4):
+            ports = slurm.step_ports({"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": str(step)}, 3)
+            assert all(slurm.PORT_RANGE[0] <= p < slurm.PORT_RANGE[1] for p in ports)
+            blocks[(job, step)] = set(ports)
+    taken = [port for ports in blocks.values() for port in ports]
+    assert len(taken) == len(set(taken)) == 100 * 4 * 3
+    # The old scheme, 20000 + 16 * (job mod 1000), put jobs 1000 ids apart on one block.
+    assert slurm.step_ports({"SLURM_JOB_ID": "5"}, 2) != slurm.step_ports({"SLURM_JOB_ID": "1005"}, 2)
+
+
+def test_local_rank_from_slurm():
+    assert slurm.local_rank(STEP) == (1, 2)
+    assert slurm.local_rank({}) is None
+    with pytest.raises(ValueError, match="Expected a local id below this node's task count"):
+        slurm.local_rank({**STEP, "SLURM_LOCALID": "2"})
+
+
+def test_hostlists_in_every_form_slurm_writes(tmp_path):
+    if shutil.which("scontrol") is None:
+        _need_slurm("needs Slurm's scontrol (apt-get install slurm-wlm)")
+    conf = tmp_path / "slurm.conf"  # scontrol reads a configuration, even to expand names.
+    conf.write_text("ClusterName=hostlists\nSlurmctldHost=localhost\n")
+    os.environ["SLURM_CONF"], saved = str(conf), os.environ.get("SLURM_CONF")
+    try:
+        assert slurm.hostnames("rack[1-2]-n[01-02],login,x[7,9-10]") == [
+            "rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02", "login", "x7", "x9", "x10"]
+        with pytest.raises(ClusterSpecError, match=r"Received: 'a\[7,9-10\]b'.*\(Invalid hostlist"):
+            slurm.hostnames("a[7,9-10]b")
+    finally:
+        if saved is None:
+            del os.environ["SLURM_CONF"]
+        else:
+            os.environ["SLURM_CONF"] = saved
+
+
+def _one_node_slurm():
+    if not (shutil.which("srun") and os.environ.get("SLURM_CONF") and subprocess.run(
+            ["sinfo", "-h"], capture_output=True, timeout=20).returncode == 0):
+        _need_slurm("no Slurm here: start one with scripts/slurm_local.sh (root) and set SLURM_CONF")
+
+
+def _train(model_dir, *flags):
+    return [sys.executable, "-m", "distrib_tf.train", "--epochs=1", "--steps_per_epoch=5",
+            f"--model_dir={model_dir}", *flags]
+
+
+def _started_at(output: str) -> list[str]:
+    return re.findall(r"^\[launcher\] started worker:\d \(pid \d+\) at (\S+)", output, re.M)
+
+
+@pytest.mark.multiworker
+def test_two_jobs_at_once_on_one_node_get_their_own_ports(tmp_path):
+    _one_node_slurm()
+    jobs = [subprocess.Popen(["srun", "-n", "2", "--oversubscribe", "--kill-on-bad-exit=1", "--time=10",
+                              *LAUNCH, *_train(tmp_path / f"run{i}")],
+                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outputs = [job.communicate(timeout=400)[0] for job in jobs]
+    for job, output in zip(jobs, outputs):
+        assert job.returncode == 0, output[-3000:]
+        assert "[worker:0] final accuracy" in output
+    ports = [_started_at(output) for output in outputs]
+    assert all(len(p) == 2 for p in ports) and not set(ports[0]) & set(ports[1]), ports
+    low, high = slurm.PORT_RANGE  # No reservation on this cluster: the fallback range.
+    assert all(low <= int(a.rpartition(":")[2]) < high for a in ports[0] + ports[1]), ports
+    for i in range(2):
+        with open(tmp_path / f"run{i}" / "summary.json") as f:
+            assert json.load(f)["workers"] == 2
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    """A two-node Slurm in network and UTS namespaces; yields the `run` command prefix."""
+    if os.geteuid() != 0 or not shutil.which("slurmd") or not shutil.which("ip"):
+        _need_slurm("the two-node Slurm needs root, slurm-wlm and iproute2")
+    script = os.path.join(ROOT, "scripts", "slurm_two_nodes.sh")
+    scratch = tmp_path / "slurm"
+    started = subprocess.run([script, "start", str(scratch)], capture_output=True, text=True, timeout=120)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield [script, "run", str(scratch), "--"]
+    finally:
+        subprocess.run([script, "stop", str(scratch)], capture_output=True, timeout=60)
+
+
+@pytest.mark.multiworker
+def test_main_job_across_two_nodes_two_tasks_each(tmp_path, two_nodes):
+    show = "echo PLACED $(hostname) $SLURM_PROCID $LOCAL_RANK $LOCAL_WORLD_SIZE; exec \"$@\""
+    result = subprocess.run(
+        [*two_nodes, "srun", "-N", "2", "-n", "4", "--kill-on-bad-exit=1", "--time=10", *LAUNCH,
+         "bash", "-c", show, "bash", *_train(tmp_path / "run")],
+        env=ENV, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    placed = sorted(tuple(line.split()[2:]) for line in result.stdout.splitlines() if "] PLACED " in line)
+    assert placed == [("dtf-n1", "0", "0", "2"), ("dtf-n1", "1", "1", "2"),
+                      ("dtf-n2", "2", "0", "2"), ("dtf-n2", "3", "1", "2")]
+    addresses = _started_at(result.stdout)
+    hosts = sorted(a.rpartition(":")[0] for a in addresses)
+    assert hosts == ["dtf-n1", "dtf-n1", "dtf-n2", "dtf-n2"], addresses
+    assert all(12000 <= int(a.rpartition(":")[2]) <= 12999 for a in addresses)  # Reserved by Slurm.
+    hashes = set(re.findall(r"final weights sha256 (\w+)", result.stdout))
+    assert len(re.findall(r"final weights sha256", result.stdout)) == 4 and len(hashes) == 1
+    with open(tmp_path / "run" / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["workers"] == 4 and summary["strategy"] == "MultiWorkerMirroredStrategy"
