@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-fast soak bench lint clean
+.PHONY: install train test test-fast test-compat soak bench lint clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not multiworker and not slow"
 
+# The Keras compat tests once per Keras minor that setup.cfg declares, each in its own venv.
+test-compat: $(STAMP)
+	scripts/test_compat.sh -k "not killed_run"
+
 soak: $(STAMP)
 	DISTRIB_TF_SOAK_REPORT=soak_report.json $(PY) -m pytest -q -s -m slow
 
@@ -34,4 +38,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check distrib_tf tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .compat build *.egg-info

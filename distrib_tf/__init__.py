@@ -26,6 +26,7 @@ __all__ = [
     "describe_strategy",
     "TrainConfig",
     "train_and_evaluate",
+    "log_to_stderr",
 ]
 
 _LAZY = {
@@ -35,13 +36,23 @@ _LAZY = {
     "train_and_evaluate": "distrib_tf.train",
 }
 
-_logger = logging.getLogger("distrib_tf")
-if not _logger.handlers:
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("distrib_tf: %(message)s"))
-    _logger.addHandler(_handler)
-    _logger.setLevel(logging.INFO)
-    _logger.propagate = False
+# A library leaves handlers to the application; the CLIs call `log_to_stderr()`.
+logging.getLogger("distrib_tf").addHandler(logging.NullHandler())
+
+
+def log_to_stderr(level: int = logging.INFO) -> None:
+    """Shows distrib_tf's messages as `distrib_tf: ...` lines on stderr (what the CLIs do).
+
+    For a script or notebook that wants them too; idempotent.
+    """
+    logger = logging.getLogger("distrib_tf")
+    if not any(getattr(h, "_distrib_tf", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("distrib_tf: %(message)s"))
+        handler._distrib_tf = True  # pylint: disable=protected-access
+        logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False  # Not also through absl's handler on the root logger.
 
 
 def __getattr__(name):

@@ -15,7 +15,8 @@ Keras 3 (tested: `TESTED_KERAS`) on TensorFlow breaks under
 3. `ModelCheckpoint` and `BackupAndRestore` write the same `.h5` files from every
    worker (an HDF5 lock error, then a dead peer). Saving in Keras 3 runs no
    collectives, so only the chief (`strategy.extended.should_checkpoint`) writes;
-   the others skip the write. Every worker still restores from the backup.
+   the others skip the write. Every worker still restores from the backup. The same
+   for `BackupAndRestore.on_train_end`, which deletes the backup (`delete_checkpoint`).
 4. `steps_per_execution > 1` does not run under several replicas: refused at
    `compile` with a clear error.
 5. `TensorBoard` writes every worker's events into one directory: non-chief workers
@@ -75,10 +76,8 @@ def _fixes():
         "reduce_per_replica": [(_tf_trainer, "reduce_per_replica", _reduce_per_replica)],
         "compile_checks": [(_base_trainer.Trainer, "compile", _compile)],
         "model_checkpoint": [(callbacks.ModelCheckpoint, "_save_model", _chief_only)],
-        "backup_and_restore": [
-            (callbacks.BackupAndRestore, "_save_model", _chief_only),
-            (callbacks.BackupAndRestore, "on_train_end", _chief_only),
-        ],
+        "backup_and_restore": [(callbacks.BackupAndRestore, "_save_model", _chief_only)],
+        "backup_and_restore_end": [(callbacks.BackupAndRestore, "on_train_end", _chief_only)],
         "dense_sparse_gradients": [(_base_optimizer.BaseOptimizer, "apply", _apply_dense)],
         "tensorboard": [
             (callbacks.TensorBoard, "set_model", _tensorboard_set_model),

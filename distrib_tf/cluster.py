@@ -85,6 +85,29 @@ def parse_task(text: str, *, source: str = "--task") -> Task:
     return Task(job, int(index))
 
 
+SHIPPED_SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_specs")
+
+
+def shipped_specs() -> list[str]:
+    """Names of the specs shipped with distrib_tf (`distrib_tf/cluster_specs/NAME.json`)."""
+    return sorted(name[:-len(".json")] for name in os.listdir(SHIPPED_SPECS) if name.endswith(".json"))
+
+
+def spec_path(name_or_path: str) -> str:
+    """The file of a spec given by path, or by the name of a shipped spec.
+
+    Raises:
+        ClusterSpecError: neither a file nor a shipped spec's name.
+    """
+    if os.path.exists(name_or_path) or os.sep in name_or_path or name_or_path.endswith(".json"):
+        return name_or_path
+    if name_or_path in shipped_specs():
+        return os.path.join(SHIPPED_SPECS, f"{name_or_path}.json")
+    raise ClusterSpecError(
+        f"Invalid value for `--cluster_spec`. Received: {name_or_path!r}. Expected a JSON spec "
+        f"file or the name of a shipped spec: {', '.join(shipped_specs())}.")
+
+
 def split_address(address: str) -> tuple[str, int]:
     """Splits `host:port` (or `[v6]:port`) into host and port, unchecked."""
     host, _, port = address.rpartition(":")
@@ -199,6 +222,22 @@ class ClusterSpec:
                 "Expected a readable JSON file."
             ) from e
         return cls.from_dict(_parse_json(text, source), source=source)
+
+    @classmethod
+    def load(cls, name_or_path: str) -> "ClusterSpec":
+        """A spec file, or a spec shipped with distrib_tf by name (`local_2workers`).
+
+        Example:
+
+            >>> ClusterSpec.load("local_2workers").num_workers
+            2
+        """
+        return cls.from_file(spec_path(name_or_path))
+
+    @classmethod
+    def local_workers(cls, count: int) -> "ClusterSpec":
+        """`count` workers on 127.0.0.1, each on a free port picked at launch."""
+        return cls({"worker": ("127.0.0.1:0",) * count}, source=f"--workers={count}")
 
     @property
     def tasks(self) -> tuple[Task, ...]:

@@ -368,6 +368,10 @@ def main(argv=None) -> int:
     """`python -m distrib_tf.data prepare --dataset=NAME --out=DIR [--num_shards=N] [--data_dir=DIR]`."""
     import argparse  # pylint: disable=import-outside-toplevel
 
+    import distrib_tf  # pylint: disable=import-outside-toplevel
+
+    distrib_tf.log_to_stderr()
+
     parser = argparse.ArgumentParser(prog="python -m distrib_tf.data")
     commands = parser.add_subparsers(dest="command", required=True)
     prepare = commands.add_parser("prepare", help="write a dataset as TFRecord shards")

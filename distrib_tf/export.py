@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         if not command:
             raise ValueError("Missing command. Expected `-- COMMAND ...`, for example "
                              "`-- python -m distrib_tf.train`.")
-        spec = ClusterSpec.from_file(args.cluster_spec)
+        spec = ClusterSpec.load(args.cluster_spec)
         if args.engine == "kubernetes":
             if not 0 < args.port < 65536:
                 raise ValueError(f"Invalid value for `--port`. Received: {args.port}. "

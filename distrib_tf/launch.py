@@ -2,10 +2,13 @@
 
 Usage:
 
-    python -m distrib_tf.launch --cluster_spec=PATH [--task=TYPE:INDEX]
+    python -m distrib_tf.launch --workers=N -- COMMAND ...
+    python -m distrib_tf.launch --cluster_spec=PATH_OR_NAME [--task=TYPE:INDEX]
         [--max_restarts=N] [--log_dir=DIR] [--gpus_per_task=N]
         [--collective_timeout=SECONDS] [--grace_period=SECONDS] -- COMMAND ...
 
+`--workers=N` starts N workers on 127.0.0.1; `--cluster_spec` takes a JSON file or the
+name of a spec shipped with distrib_tf (`local_2workers`, see `distrib_tf/cluster_specs/`).
 Every task of the spec whose host is an address of this machine is started (or only the
 one named by `--task`, or the spec's N-th with `--task_ordinal=N`: one launcher per host
 on several hosts; or, with `--slurm` inside `srun`, the task of this Slurm task, its
@@ -69,6 +72,7 @@ from distrib_tf import slurm
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import Task
 from distrib_tf.cluster import parse_task
+from distrib_tf.cluster import shipped_specs
 from distrib_tf.isolation import enter_private_network
 from distrib_tf.isolation import is_loopback_only
 from distrib_tf.supervise import EXIT_FAILED
@@ -117,12 +121,20 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USAGE)
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"Received: {text!r}. Expected an integer >= 1")
+    return int(text)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = _Parser(
         prog="distrib-tf-launch", description="Start the tasks of a cluster spec on this host.",
-        epilog="Example: python -m distrib_tf.launch --cluster_spec=cluster_specs/"
-               "local_2workers.json -- python -m distrib_tf.train")
-    parser.add_argument("--cluster_spec", help="JSON spec file")
+        epilog="Example: distrib-tf-launch --workers=2 -- python my_script.py")
+    parser.add_argument("--cluster_spec", help="a JSON spec file, or the name of a shipped spec ("
+                        + ", ".join(shipped_specs()) + ")")
+    parser.add_argument("--workers", type=_positive_int, metavar="N",
+                        help="N local workers on 127.0.0.1, without a spec file")
     parser.add_argument("--task", help="start only this task, TYPE:INDEX")
     parser.add_argument("--task_ordinal", type=int,
                         help="start only the spec's N-th task (chief, workers, evaluator order)")
@@ -143,17 +155,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def _select_tasks(args: argparse.Namespace) -> tuple[ClusterSpec, tuple[Task, ...]]:
     """The cluster and the tasks this launcher starts, from --slurm, --task, or this host."""
     if args.slurm:
-        if args.cluster_spec or args.task or args.task_ordinal is not None or args.max_restarts:
+        if (args.cluster_spec or args.workers or args.task or args.task_ordinal is not None
+                or args.max_restarts):
             raise ValueError("Invalid arguments with `--slurm`: the cluster and the task come "
                              "from SLURM_*, and restarts are Slurm's (`srun --kill-on-bad-exit=1`, "
-                             "requeue). Expected no --cluster_spec, --task, --task_ordinal or "
+                             "requeue). Expected no --cluster_spec, --workers, --task, --task_ordinal or "
                              "--max_restarts.")
         spec, task = slurm.load_cluster()
         return spec, (task,)
+    if args.workers and args.cluster_spec:
+        raise ValueError("Invalid arguments: both `--workers` and `--cluster_spec`. Expected one: "
+                         "--workers=N for N local workers, or a spec.")
+    if args.workers:
+        spec = ClusterSpec.local_workers(args.workers)
+        return spec, spec.tasks
     if not args.cluster_spec:
-        raise ValueError("Missing `--cluster_spec`. Expected a JSON spec file, such as "
-                         "--cluster_spec=cluster_specs/local_2workers.json (or --slurm inside srun).")
-    spec = ClusterSpec.from_file(args.cluster_spec)
+        raise ValueError("Missing `--cluster_spec` or `--workers`. Expected --workers=N for N local "
+                         "workers, a spec such as --cluster_spec=local_2workers, or --slurm inside srun.")
+    spec = ClusterSpec.load(args.cluster_spec)
     if args.task:
         task = spec.check_task(parse_task(args.task))
         _refuse_free_ports(spec, "--task")

@@ -56,6 +56,7 @@ class NonFiniteLoss(Exception):
                 f"first seen {who}.")
 
 
+@keras.saving.register_keras_serializable(package="distrib_tf")
 class NonFiniteReplicas(keras.metrics.Metric):
     """`2**r` on replica r when its predictions of the last batch hold a NaN or Inf."""
 

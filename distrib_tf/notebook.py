@@ -8,7 +8,7 @@ one row per task); `Job.stop()` stops every process of the job. The plot helpers
 
 Example:
 
-    >>> job = start_job("cluster_specs/local_2workers.json", model_dir="runs/nb",
+    >>> job = start_job("local_2workers", model_dir="runs/nb",
     ...                 train_args=["--epochs=2"])
     >>> job.wait()      # Live progress; returns the summary.
     >>> plot_history("runs/nb", save="history.png")
@@ -197,7 +197,7 @@ def start_job(cluster_spec: str, *, model_dir: str, train_args: list[str] | None
     """Starts the main job (or `command`) on every local task of `cluster_spec`.
 
     Args:
-        cluster_spec: path of a spec file, such as `cluster_specs/local_2workers.json`.
+        cluster_spec: a spec file, or a shipped spec's name such as `local_2workers`.
         model_dir: passed to the main job as `--model_dir`.
         train_args: more flags for `python -m distrib_tf.train`.
         command: another command to run instead of the main job.

@@ -4,7 +4,7 @@ Usage:
 
     python -m distrib_tf.sweep --space='learning_rate=[1e-3,3e-3] global_batch_size=[32,64]'
         [--space_file=space.json] [--sampler=grid|random|tpe] [--trials=N]
-        [--cluster_spec=cluster_specs/local_2workers.json] [--sweep_dir=runs/sweep]
+        [--cluster_spec=local_2workers] [--sweep_dir=runs/sweep]
         [--metric=val_accuracy] [--mode=max] [--seed=0] [-- MORE TRAIN FLAGS]
 
 Each trial is a real run of the main job (`distrib_tf.train`) through the launcher on
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--space_file")
     parser.add_argument("--sampler", default="grid")
     parser.add_argument("--trials", type=int)
-    parser.add_argument("--cluster_spec", default="cluster_specs/local_2workers.json")
+    parser.add_argument("--cluster_spec", default="local_2workers")
     parser.add_argument("--sweep_dir", default="runs/sweep")
     parser.add_argument("--metric", default="val_accuracy")
     parser.add_argument("--mode", default="max")
@@ -404,11 +404,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"Missing `--trials` for --sampler={args.sampler}. Expected a budget >= 1.")
         if args.mode not in ("max", "min"):
             raise ValueError(f"Invalid value for `--mode`. Received: {args.mode!r}. Expected max or min.")
-        spec = ClusterSpec.from_file(args.cluster_spec)
+        spec = ClusterSpec.load(args.cluster_spec)
         needed = max(len(spec.local_tasks()), 1)
         if not spec.local_tasks():
             raise ValueError(f"No task of {args.cluster_spec} lives on this host. Expected a local spec "
-                             "for sweep trials, such as cluster_specs/local_2workers.json.")
+                             "for sweep trials, such as local_2workers.")
         planned = [] if args.sampler == "tpe" else sample_trials(
             space, sampler=args.sampler, trials=args.trials, seed=args.seed)
     except ValueError as e:  # ClusterSpecError included.

@@ -9,7 +9,8 @@ With no flags it trains the CNN on the offline `shapes` dataset; `--model=transf
 uses the offline `tokens` dataset. It reads `TF_CONFIG` when set, so the same command
 runs as every worker of a cluster (see `distrib_tf.launch`). Under `model_dir`:
 `backup/<task>/` on every worker's own disk (a restarted job resumes from it, see
-`distrib_tf.backup`); `checkpoints/`, `logs/` (TensorBoard) and `summary.json`, written
+`distrib_tf.backup`); `checkpoints/`, `logs/` (TensorBoard), `summary.json` and the
+trained model (`model.keras`, and `serving/`, a SavedModel; `distrib_tf.serving`), written
 by the chief only; `eval/`, written by an `evaluator` task only (`distrib_tf.evaluator`).
 
 Bad flags print one line and exit with code 2. This module only parses flags: the work
@@ -28,6 +29,7 @@ from absl import app
 from absl import flags
 from absl import logging as absl_logging
 
+import distrib_tf
 from distrib_tf import backup
 from distrib_tf import callbacks as callbacks_lib
 from distrib_tf import cluster
@@ -35,6 +37,7 @@ from distrib_tf import data
 from distrib_tf import evaluator
 from distrib_tf import nonfinite
 from distrib_tf import preemption
+from distrib_tf import serving
 from distrib_tf.models import MODELS
 from distrib_tf.models import build_model
 from distrib_tf.strategy import KINDS
@@ -269,11 +272,12 @@ def run_job(job: Job) -> dict:
         "examples_per_second": _steady_rate(timer.seconds, timer.examples_per_epoch),
         "wall_seconds": time.time() - started,
         "first_step_unix_time": timer.first_step_at,
-        "weights_sha256": _fingerprint(model),
+        "weights_sha256": serving.weights_fingerprint(model),
     }
     # Every worker: identical weights on all of them is the point of synchronous training.
     print(f"{job.task} final weights sha256 {summary['weights_sha256']}", flush=True)
     if job.is_chief:
+        serving.export_model(model, job.model_dir)
         backup.write_json_atomically(os.path.join(job.model_dir, "summary.json"), summary)
     return summary
 
@@ -287,10 +291,6 @@ def _roll_back(model, backup_dir: str, config: TrainConfig, job: Job, error) -> 
     print(f"{job.task} {error} Rolled back to step {step}; learning rate halved to {rate:.3g}.",
           flush=True)
     return step
-
-
-def _fingerprint(model) -> str:
-    return hashlib.sha256(b"".join(w.tobytes() for w in model.get_weights())).hexdigest()[:16]
 
 
 def _steady_rate(seconds: list[float], examples: int) -> float | None:
@@ -358,6 +358,7 @@ def _parse_flags(argv):
 
 def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)  # TensorFlow's INFO lines drown the progress.
+    distrib_tf.log_to_stderr()
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; flags look like --epochs=3")
     try:

@@ -50,8 +50,17 @@ def test_two_workers_train_through_the_launcher(tmp_path):
     assert re.search(r"^\[worker:0\] final accuracy", result.stdout, re.M)
     assert re.search(r"^\[worker:1\] worker:1 epoch 1/1", result.stdout, re.M)
     with open(tmp_path / "run" / "summary.json") as f:
-        assert json.load(f)["workers"] == 2
+        summary = json.load(f)
+    assert summary["workers"] == 2
     assert sorted(os.listdir(tmp_path / "logs")) == ["worker_0.log", "worker_1.log"]
+    # The trained model, loaded in a process of its own: the weights the job ended with,
+    # and the SavedModel serves what Keras predicts.
+    loaded = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "workers", "load_model.py"),
+                             str(tmp_path / "run")], env=ENV, capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    found = json.loads(loaded.stdout.strip().splitlines()[-1])
+    assert found["weights_sha256"] == summary["weights_sha256"]
+    assert found["max_difference"] < 1e-5 and found["serving_accuracy"] == found["keras_accuracy"]
 
 
 @pytest.mark.multiworker
@@ -233,3 +242,13 @@ def test_killed_launcher_leaves_no_grandchild(tmp_path):
     while _processes_with(f"sleep {token}") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _processes_with(f"sleep {token}")
+
+
+@pytest.mark.parametrize("options, workers", [(["--workers=3"], 3), (["--cluster_spec=local_2workers"], 2)])
+def test_workers_or_a_shipped_spec_by_name_from_any_directory(tmp_path, options, workers):
+    code = "import json, os; print('WORKERS', len(json.loads(os.environ['TF_CONFIG'])['cluster']['worker']))"
+    result = subprocess.run([*LAUNCH, *options, "--", sys.executable, "-c", code], env=ENV, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(re.findall(r"^\[(worker:\d)\] WORKERS (\d)", result.stdout, re.M)) == [
+        (f"worker:{i}", str(workers)) for i in range(workers)]

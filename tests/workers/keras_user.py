@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import signal
+import time
 
 import numpy as np
 
@@ -24,7 +25,34 @@ def parse_args():
     parser.add_argument("--kill_self_at_epoch", type=int, default=-1)
     parser.add_argument("--kill_task", default="worker:1")
     parser.add_argument("--without_fix", default="", help="a distrib_tf Keras fix to remove")
+    parser.add_argument("--read_only_shared", action="store_true",
+                        help="worker:1 sees `shared/` read-only, as a host whose disk the chief's "
+                             "files are not on (root: a mount namespace of its own)")
+    parser.add_argument("--delete_backup", action="store_true", help="BackupAndRestore(delete_checkpoint=True)")
     return parser.parse_args()
+
+
+def make_shared_read_only(shared):
+    """This process (and only it) sees `shared` read-only from now on."""
+    import ctypes  # pylint: disable=import-outside-toplevel
+    import subprocess  # pylint: disable=import-outside-toplevel
+
+    if ctypes.CDLL(None, use_errno=True).unshare(0x00020000) != 0:  # CLONE_NEWNS
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+    for mount in (["--make-rprivate", "/"], ["--bind", shared, shared], ["-o", "remount,bind,ro", shared]):
+        subprocess.run(["mount", *mount], check=True)
+
+
+def reduce_sum_across_workers(strategy, tf):
+    """Keras's own `reduce_per_replica(..., "sum")` on replica ids + 1: the SUM branch."""
+    from keras.src.backend.tensorflow import trainer  # pylint: disable=import-outside-toplevel
+
+    values = strategy.run(lambda: tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group + 1,
+                                          tf.float32))
+    try:
+        return float(trainer.reduce_per_replica(values, strategy, "sum"))
+    except Exception as e:  # pylint: disable=broad-except
+        return f"{type(e).__name__}: {e}"
 
 
 def make_data():
@@ -79,9 +107,22 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
 
     shared = os.path.join(args.out, "shared")
+    os.makedirs(shared, exist_ok=True)
+    if args.read_only_shared and task == "worker:1":
+        make_shared_read_only(shared)
+    with open(os.path.join(args.out, f"{task.replace(':', '_')}_sum.json"), "w") as f:
+        json.dump(reduce_sum_across_workers(strategy, tf), f)
+    class ChiefDeletesLast(keras.callbacks.Callback):
+        """With --delete_backup, the chief deletes the backup 3 s after the others try to."""
+
+        def on_train_end(self, logs=None):
+            if args.delete_backup and task == "worker:0":
+                time.sleep(3)
+
     callbacks = [
         RecordEpochs(),
-        keras.callbacks.BackupAndRestore(os.path.join(shared, "backup"), delete_checkpoint=False),
+        ChiefDeletesLast(),
+        keras.callbacks.BackupAndRestore(os.path.join(shared, "backup"), delete_checkpoint=args.delete_backup),
         keras.callbacks.ModelCheckpoint(os.path.join(shared, "checkpoints", "epoch{epoch}.weights.h5"),
                                         save_weights_only=True),
         keras.callbacks.TensorBoard(os.path.join(shared, "logs")),

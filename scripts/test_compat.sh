@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# `make test-compat`: the Keras compat tests once per Keras minor that setup.cfg declares,
+# each in an environment of its own. Each is a venv holding its own Keras, the newest
+# release of that minor; TensorFlow, the test tools and distrib_tf come from .venv
+# through a .pth file (its own Keras comes first on sys.path).
+#   scripts/test_compat.sh [PYTEST_ARGS...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+base=.venv
+base_site=$("$base/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+minors=$("$base/bin/python" - <<'PY'
+import configparser, re
+config = configparser.ConfigParser()
+config.read("setup.cfg")
+requirement = next(r for r in config["options"]["install_requires"].split("\n") if r.startswith("keras"))
+low, high = re.fullmatch(r"keras>=3\.(\d+),<3\.(\d+)", requirement.strip()).groups()
+print(" ".join(str(m) for m in range(int(low), int(high))))
+PY
+)
+failed=()
+for minor in $minors; do
+  env=".compat/keras-3.$minor"
+  if [ ! -f "$env/.installed" ]; then
+    rm -rf "$env"
+    "$base/bin/python" -m venv --without-pip "$env"
+    site=$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    "$base/bin/python" -m pip install --quiet --no-deps --target "$site" "keras==3.$minor.*"
+    echo "$base_site" > "$site/distrib_tf_base.pth"
+    touch "$env/.installed"
+  fi
+  version=$(TF_CPP_MIN_LOG_LEVEL=3 "$env/bin/python" -c 'import keras; print(keras.__version__)' 2>/dev/null)
+  echo "== Keras $version ($env)"
+  if ! PYTHONPATH="$PWD" "$env/bin/python" -m pytest -q -p no:cacheprovider tests/test_keras_compat.py "$@"; then
+    failed+=("$version")
+  fi
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "test-compat: failed with Keras ${failed[*]}" >&2
+  exit 1
+fi
+echo "test-compat: passed with Keras 3.$(echo "$minors" | sed 's/ /, 3./g')"
