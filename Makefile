@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-fast test-compat soak bench lint clean
+.PHONY: install train test test-fast test-compat soak bench bench-scaling lint clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ soak: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+# As root: two simulated hosts, a shaped link, pinned cores (benchmarks/scaling.py).
+bench-scaling: $(STAMP)
+	$(PY) benchmarks/scaling.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check distrib_tf tests benchmarks

@@ -1,4 +1,9 @@
-"""One worker of the all-reduce benchmark: seconds per all-reduce of N MB, median of R."""
+"""P3, one worker of it: seconds of each of R all-reduces of N MB (a ring of 2 workers).
+
+    allreduce.py SIZES_MB REPEATS PIECES BYTES_PER_PACK OUT.json
+
+The chief writes every time, by size.
+"""
 
 import json
 import sys
@@ -36,7 +41,7 @@ def main():
             result = step()
             _ = [t.numpy()[0] for t in tf.nest.flatten(strategy.experimental_local_results(result))[:1]]
             times.append(time.perf_counter() - start)
-        results[size] = sorted(times)[len(times) // 2]
+        results[size] = times
     if strategy.extended.should_checkpoint:
         with open(out, "w") as f:
             json.dump(results, f)

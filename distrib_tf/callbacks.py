@@ -48,6 +48,7 @@ class EpochTimer(keras.callbacks.Callback):
         self.examples_per_epoch = examples_per_epoch
         self.seconds: list[float] = []
         self.first_step_at: float | None = None  # Unix time the first step ended.
+        self.ended_at: list[float] = []  # Unix time each epoch ended, validation included.
         self._start = self._last_step = 0.0
 
     def on_train_batch_end(self, batch, logs=None):
@@ -61,6 +62,7 @@ class EpochTimer(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         seconds = self._last_step - self._start
         self.seconds.append(seconds)
+        self.ended_at.append(time.time())
         if logs is not None:
             logs["epoch_seconds"] = seconds
             logs["examples_per_second"] = self.examples_per_epoch / seconds

@@ -25,10 +25,10 @@ from tensorflow.python.eager import context as _context
 
 from distrib_tf import _keras_compat
 from distrib_tf import cluster
+from distrib_tf.config import KINDS
 
 logger = logging.getLogger("distrib_tf")
 
-KINDS = ("auto", "one_device", "mirrored", "multi_worker")
 COMMUNICATIONS = ("auto", "ring", "nccl")
 TIMEOUT_ENV = "DISTRIB_TF_COLLECTIVE_TIMEOUT"  # Set by `distrib_tf.launch --collective_timeout`.
 

@@ -18,8 +18,6 @@ is `train_and_evaluate(config, model_dir)`, which a notebook can call too.
 """
 
 import dataclasses
-import hashlib
-import json
 import os
 import sys
 import time
@@ -35,88 +33,18 @@ from distrib_tf import callbacks as callbacks_lib
 from distrib_tf import cluster
 from distrib_tf import data
 from distrib_tf import evaluator
+from distrib_tf import localsgd
 from distrib_tf import nonfinite
 from distrib_tf import preemption
 from distrib_tf import serving
-from distrib_tf.models import MODELS
+from distrib_tf.config import MIXED_PRECISION
+from distrib_tf.config import MODEL_KINDS
+from distrib_tf.config import MODELS
+from distrib_tf.config import TrainConfig
+from distrib_tf.config import invalid_flag
 from distrib_tf.models import build_model
-from distrib_tf.strategy import KINDS
 from distrib_tf.strategy import make_strategy
 from distrib_tf.strategy import strategy_name
-
-MIXED_PRECISION = {"off": "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
-DEFAULT_DATASETS = {"cnn": "shapes", "transformer": "tokens"}
-MODEL_KINDS = {"cnn": "image", "transformer": "text"}
-ON_NAN = ("stop", "rollback")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Everything the main job needs but the `model_dir`; validated at construction.
-
-    Example:
-
-        >>> config = TrainConfig(model="transformer", epochs=1)
-        >>> config.dataset
-        'tokens'
-    """
-
-    model: str = "cnn"
-    dataset: str = ""
-    data_dir: str | None = None
-    epochs: int = 3
-    global_batch_size: int = 64
-    learning_rate: float = 1e-3
-    strategy: str = "auto"
-    cpu_replicas: int | None = None
-    mixed_precision: str = "off"
-    seed: int = 0
-    steps_per_epoch: int | None = None
-    collective_timeout: float | None = None
-    backup_every_steps: int | None = None
-    on_nan: str = "stop"
-    max_rollbacks: int = 3
-
-    def __post_init__(self):
-        if self.model not in MODELS:
-            _invalid("model", self.model, f"one of {', '.join(MODELS)}")
-        if not self.dataset:
-            object.__setattr__(self, "dataset", DEFAULT_DATASETS[self.model])
-        for name in ("epochs", "global_batch_size"):
-            _check_positive_int(name, getattr(self, name))
-        for name in ("cpu_replicas", "steps_per_epoch", "backup_every_steps"):
-            if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
-        if not self.learning_rate > 0:
-            _invalid("learning_rate", self.learning_rate, "a number > 0")
-        if self.collective_timeout is not None and not self.collective_timeout > 0:
-            _invalid("collective_timeout", self.collective_timeout, "a number of seconds > 0")
-        if self.mixed_precision not in MIXED_PRECISION:
-            _invalid("mixed_precision", self.mixed_precision, f"one of {', '.join(MIXED_PRECISION)}")
-        if self.on_nan not in ON_NAN:
-            _invalid("on_nan", self.on_nan, f"one of {', '.join(ON_NAN)}")
-        if isinstance(self.max_rollbacks, bool) or not isinstance(self.max_rollbacks, int) or self.max_rollbacks < 0:
-            _invalid("max_rollbacks", self.max_rollbacks, "an integer >= 0")
-        if self.strategy not in KINDS:
-            _invalid("strategy", self.strategy, f"one of {', '.join(KINDS)}")
-
-
-    def run_id(self) -> str:
-        """What a backup must match to be resumed: every field that changes the math."""
-        fields = dataclasses.asdict(self)
-        for name in ("epochs", "data_dir", "strategy", "cpu_replicas", "collective_timeout",
-                     "backup_every_steps", "on_nan", "max_rollbacks"):
-            fields.pop(name)
-        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _invalid(flag, value, expected):
-    raise ValueError(f"Invalid value for `--{flag}`. Received: {value!r}. Expected {expected}.")
-
-
-def _check_positive_int(flag, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        _invalid(flag, value, "a positive integer")
 
 
 @dataclasses.dataclass
@@ -150,7 +78,7 @@ def prepare_job(config: TrainConfig, model_dir: str) -> Job:
                              timeout_seconds=config.collective_timeout)
     info = data.load_info(config.dataset, data_dir=config.data_dir)
     if info.kind != MODEL_KINDS[config.model]:
-        _invalid("dataset", config.dataset,
+        invalid_flag("dataset", config.dataset,
                  f"a dataset of {MODEL_KINDS[config.model]}s for --model={config.model}")
     data.check_global_batch_size(config.global_batch_size, strategy.num_replicas_in_sync)
     steps = config.steps_per_epoch or data.steps_per_epoch(info, "train", config.global_batch_size)
@@ -174,8 +102,9 @@ def prepare_job(config: TrainConfig, model_dir: str) -> Job:
 def build_compiled_model(config: TrainConfig, info, strategy):
     """The job's model, built and compiled under `strategy.scope()`."""
     with strategy.scope():
-        if config.model == "cnn":
-            model = build_model("cnn", input_shape=info.input_shape, num_classes=info.num_classes)
+        if config.model == "cnn":  # Periodic sync: replicas train apart, so does their BN.
+            model = build_model("cnn", input_shape=info.input_shape, num_classes=info.num_classes,
+                                synchronized_bn=config.sync == "step")
         else:
             model = build_model("transformer", vocab_size=info.vocab_size,
                                 seq_len=info.input_shape[0], num_classes=info.num_classes)
@@ -184,6 +113,7 @@ def build_compiled_model(config: TrainConfig, info, strategy):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy", nonfinite.NonFiniteReplicas()],
         )
+    localsgd.compress_gradients(model.optimizer, config.allreduce_dtype)
     return model
 
 
@@ -225,8 +155,11 @@ def run_job(job: Job) -> dict:
         examples_per_epoch=job.steps_per_epoch * config.global_batch_size,
         worker_backup=worker_backup)
     at = callbacks.index(worker_backup)  # Checked before the step is backed up; saved after.
+    periodic = [] if config.sync == "step" else [localsgd.PeriodicSync(
+        strategy, config.sync_every() or job.steps_per_epoch, outer=config.outer()[0],
+        outer_learning_rate=config.outer()[1], outer_momentum=config.outer()[2])]
     callbacks[at:at + 1] = [
-        nonfinite.StopOnNonFinite(workers=list(job.replica_tasks), steps_per_epoch=job.steps_per_epoch),
+        *periodic, nonfinite.StopOnNonFinite(workers=list(job.replica_tasks), steps_per_epoch=job.steps_per_epoch),
         worker_backup, preemption.SaveOnPreemption(worker_backup)]
     verbose = (1 if sys.stdout.isatty() else 2) if job.is_chief else 0
     history, epochs, rollbacks = {}, [], []
@@ -272,7 +205,10 @@ def run_job(job: Job) -> dict:
         "examples_per_second": _steady_rate(timer.seconds, timer.examples_per_epoch),
         "wall_seconds": time.time() - started,
         "first_step_unix_time": timer.first_step_at,
+        "epoch_end_unix_times": timer.ended_at, "epoch_step_seconds": timer.seconds,
         "weights_sha256": serving.weights_fingerprint(model),
+        "periodic_sync": {"syncs": periodic[0].syncs, "bytes_per_worker": periodic[0].bytes_per_worker}
+        if periodic else None,
     }
     # Every worker: identical weights on all of them is the point of synchronous training.
     print(f"{job.task} final weights sha256 {summary['weights_sha256']}", flush=True)
@@ -336,6 +272,15 @@ def define_flags():
     flags.DEFINE_string("on_nan", "stop", "On a NaN or Inf loss: stop, or rollback to the last backup "
                         "with half the learning rate.")
     flags.DEFINE_integer("max_rollbacks", 3, "With --on_nan=rollback: roll back at most this often.")
+    flags.DEFINE_string("sync", "step", "step (all-reduce gradients every step), every:N (each worker "
+                        "applies its own; average the weights every N steps) or epoch (average once an "
+                        "epoch): distrib_tf.localsgd.")
+    flags.DEFINE_enum("outer_optimizer", None, ["average", "nesterov"], "Periodic sync's outer step "
+                      "(default average; nesterov: DiLoCo's, rate 0.7 and momentum 0.9 by default).")
+    flags.DEFINE_float("outer_learning_rate", None, "With --outer_optimizer=nesterov.")
+    flags.DEFINE_float("outer_momentum", None, "With --outer_optimizer=nesterov.")
+    flags.DEFINE_enum("allreduce_dtype", "float32", ["float32", "bfloat16", "float16"],
+                      "Type gradients travel in, with --sync=step.")
 
 
 def config_from_flags() -> TrainConfig:

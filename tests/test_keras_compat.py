@@ -107,8 +107,9 @@ def test_killed_run_resumes_from_backup(tmp_path, two_workers):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-# Keras makes the directory (os.makedirs) or, when the chief already made it, h5py opens the file.
-READ_ONLY_WRITE = (r"OSError: \[Errno 30\] Read-only file system: '\S*/shared/{0}'|"
+# Keras makes the directory (os.makedirs: on a read-only view, EROFS, or EEXIST once the
+# chief made it) or, when it exists, h5py opens the file for writing.
+READ_ONLY_WRITE = (r"Error: \[Errno (30\] Read-only file system|17\] File exists): '\S*/shared/{0}'|"
                    r"name = '\S*/shared/{0}/[^']*', errno = 30, error message = 'Read-only file system'")
 DEAD_PEER = "The following tasks are unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1"
 

@@ -140,12 +140,13 @@ def test_killed_launcher_leaves_no_task_running(tmp_path):
 
 
 @pytest.mark.multiworker
-def test_killed_worker_is_restarted_and_the_job_resumes(tmp_path):
+@pytest.mark.parametrize("sync", [[], ["--sync=every:5"]], ids=["sync_every_step", "periodic_sync"])
+def test_killed_worker_is_restarted_and_the_job_resumes(tmp_path, sync):
     model_dir = tmp_path / "run"
     with open(tmp_path / "launcher.out", "w+") as out:
         proc = subprocess.Popen(
             launch_cmd("local_2workers.json", sys.executable, "-m", "distrib_tf.train", "--epochs=3",
-                       "--steps_per_epoch=40", f"--model_dir={model_dir}",
+                       "--steps_per_epoch=40", f"--model_dir={model_dir}", *sync,
                        options=["--max_restarts=1", "--grace_period=3", "--collective_timeout=20"]),
             env=ENV, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 240
@@ -163,6 +164,8 @@ def test_killed_worker_is_restarted_and_the_job_resumes(tmp_path):
     with open(model_dir / "summary.json") as f:
         epochs = [e["epoch"] for e in json.load(f)["epochs"]]
     assert epochs and epochs[0] >= done + 1 and epochs[-1] == 3, (done, epochs)
+    hashes = re.findall(r"^\[worker:\d\] worker:\d final weights sha256 (\w+)", text, re.M)
+    assert len(hashes) == 2 and hashes[0] == hashes[1], hashes  # Equal after the last sync too.
 
 
 @pytest.mark.multiworker

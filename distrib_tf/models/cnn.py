@@ -3,8 +3,12 @@
 import keras
 
 
-def build_cnn(*, input_shape: tuple[int, ...], num_classes: int, width: int = 32) -> keras.Model:
+def build_cnn(*, input_shape: tuple[int, ...], num_classes: int, width: int = 32,
+              synchronized_bn: bool = True) -> keras.Model:
     """Three conv blocks (`width`, `width`, `2 * width` filters), global pooling, a dense head.
+
+    `synchronized_bn=False` normalizes over each replica's own batch: what periodic
+    averaging needs, where replicas train apart between synchronizations.
 
     Example:
 
@@ -17,7 +21,7 @@ def build_cnn(*, input_shape: tuple[int, ...], num_classes: int, width: int = 32
         x = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(x)
         # Synchronized: statistics of the global batch, so results do not depend on the
         # layout. Momentum 0.9: short runs, stats settle fast.
-        x = keras.layers.BatchNormalization(momentum=0.9, synchronized=True)(x)
+        x = keras.layers.BatchNormalization(momentum=0.9, synchronized=synchronized_bn)(x)
         x = keras.layers.ReLU()(x)
         if pool:
             x = keras.layers.MaxPooling2D()(x)

@@ -1,0 +1,192 @@
+"""`make bench-scaling`: weak scaling of MultiWorkerMirroredStrategy over a shaped link.
+
+    python benchmarks/scaling.py [--tiny] [--reps=3] [--out=DIR]     # as root
+
+Two simulated hosts: network namespaces joined by a veth pair whose both ends are shaped
+with `tc ... tbf` to 10 Gbit/s, 1 Gbit/s and 100 Mbit/s in turn. Each worker is pinned to
+a core of its own (`taskset`, one intra-op and one inter-op thread), so that compute does
+not compete. Per model and link, alternately, `--reps` times:
+
+- one pinned worker alone (`--strategy=one_device`, batch 32);
+- two pinned workers, one per host, by TF_CONFIG (global batch 64: 32 each).
+
+Weak-scaling efficiency = examples/s of the two / (2 x examples/s of the one), the
+training steps' rate from each run's summary (first epoch left out). Then the all-reduce
+bus bandwidth between the two hosts (`allreduce.py`) as a fraction of the shaped rate,
+beside the rate `iperf3 --bidir` measures each way over the same link. Writes
+`scaling.json` and `scaling.png`.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from run import environment  # noqa: E402
+from run import iperf3_bidir  # noqa: E402
+from run import spread  # noqa: E402
+
+PY = sys.executable
+HOSTS = [("dtfbench_a", "10.82.0.1", "0"), ("dtfbench_b", "10.82.0.2", "1")]  # namespace, address, core
+VETH = ["vdtfbench_a", "vdtfbench_b"]
+# tbf: the burst must hold at least rate / HZ of bytes, or the link cannot reach its rate.
+LINKS = {"10 Gbit/s": ("10gbit", "4mbit", 10e9), "1 Gbit/s": ("1gbit", "512kbit", 1e9),
+         "100 Mbit/s": ("100mbit", "64kbit", 100e6)}
+PINNED = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
+          "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": ROOT}
+
+
+def _ip(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def two_hosts():
+    try:
+        for name, _, _ in HOSTS:
+            _ip("netns", "add", name)
+        _ip("link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
+        for (name, address, _), end in zip(HOSTS, VETH):
+            _ip("link", "set", end, "netns", name)
+            _ip("-n", name, "addr", "add", f"{address}/24", "dev", end)
+            _ip("-n", name, "link", "set", end, "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+        yield
+    finally:
+        for name, _, _ in HOSTS:
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def shape(rate: str, burst: str):
+    for (name, _, _), end in zip(HOSTS, VETH):
+        _ip("-n", name, "qdisc", "replace", "dev", end, "root", "tbf", "rate", rate, "burst", burst,
+            "latency", "50ms")
+
+
+def on_host(index: int, command, env=None) -> subprocess.Popen:
+    name, _, core = HOSTS[index]
+    return subprocess.Popen(["ip", "netns", "exec", name, "taskset", "-c", core, *command],
+                            env={**os.environ, **PINNED, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait(procs, timeout=900):
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for proc, output in zip(procs, outputs):
+        if proc.returncode != 0:
+            raise RuntimeError(f"{proc.args} failed:\n{output[-3000:]}")
+
+
+def _tf_config(index: int, port: int = 2222) -> str:
+    cluster = {"worker": [f"{address}:{port}" for _, address, _ in HOSTS]}
+    return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+
+
+def train_rate(scratch, model, workers, *, epochs, steps, tag) -> float:
+    model_dir = f"{scratch}/{tag}"
+    flags = [f"--model={model}", f"--epochs={epochs}", f"--steps_per_epoch={steps}", f"--model_dir={model_dir}"]
+    command = [PY, "-m", "distrib_tf.train", *flags]
+    if workers == 1:
+        _wait([on_host(0, [*command, "--strategy=one_device", "--global_batch_size=32"])])
+    else:
+        _wait([on_host(i, [*command, "--global_batch_size=64"], {"TF_CONFIG": _tf_config(i)}) for i in range(2)])
+    with open(f"{model_dir}/summary.json") as f:
+        return json.load(f)["examples_per_second"]
+
+
+def allreduce(scratch, sizes_mb, repeats, tag) -> dict:
+    out = f"{scratch}/{tag}.json"
+    command = [PY, os.path.join(HERE, "allreduce.py"), ",".join(map(str, sizes_mb)), str(repeats), "1", "0", out]
+    _wait([on_host(i, command, {"TF_CONFIG": _tf_config(i, 2300)}) for i in range(2)])
+    with open(out) as f:
+        return json.load(f)
+
+
+def plot(results, path):
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+    links = list(results["links"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for offset, model in enumerate(("cnn", "transformer")):
+        medians = [results["links"][link][model]["efficiency"]["median"] for link in links]
+        low = [m - results["links"][link][model]["efficiency"]["min"] for m, link in zip(medians, links)]
+        high = [results["links"][link][model]["efficiency"]["max"] - m for m, link in zip(medians, links)]
+        left.bar([i + 0.4 * offset for i in range(len(links))], medians, width=0.4, yerr=[low, high],
+                 capsize=3, label=model)
+    left.axhline(0.9, color="gray", linestyle="--", label="goal 0.9 (CNN, 1 Gbit/s)")
+    left.set(xticks=[i + 0.2 for i in range(len(links))], xticklabels=links, ylabel="weak-scaling efficiency",
+             title="2 pinned workers / 2 x 1")
+    left.legend(fontsize=8)
+    for link in links:
+        rows = results["links"][link]["allreduce"]
+        right.plot([float(s) for s in rows], [r["fraction_of_link"]["median"] for r in rows.values()],
+                   marker="o", label=link)
+    right.axhline(0.9, color="gray", linestyle="--", label="goal 0.9")
+    right.set(xscale="log", xlabel="MB reduced", ylabel="bus bandwidth / shaped rate", title="all-reduce")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default=HERE)
+    args = parser.parse_args(argv)
+    missing = [tool for tool in ("ip", "tc", "taskset", "iperf3") if shutil.which(tool) is None]
+    if os.geteuid() != 0 or missing or (os.cpu_count() or 1) < 2:
+        sys.exit("benchmarks/scaling.py: cannot run here: it needs root (network namespaces), "
+                 f"2 cores or more, and ip, tc, taskset, iperf3 (missing: {', '.join(missing) or 'none'})")
+    reps = 1 if args.tiny else args.reps
+    epochs, steps = (2, 4) if args.tiny else (3, 30)
+    sizes = [0.25, 1] if args.tiny else [0.25, 1, 4, 16]
+    links = dict(list(LINKS.items())[1:2]) if args.tiny else LINKS
+    started = time.time()
+    results = {"environment": environment(), "reps": reps, "links": {}}
+    with tempfile.TemporaryDirectory() as scratch, two_hosts():
+        for link, (rate, burst, bits) in links.items():
+            shape(rate, burst)
+            row = {"iperf3_bidir_bytes_per_second": spread(
+                iperf3_bidir(HOSTS[0][1], server_prefix=["ip", "netns", "exec", HOSTS[0][0]],
+                             client_prefix=["ip", "netns", "exec", HOSTS[1][0]]) for _ in range(reps)),
+                "shaped_bytes_per_second": bits / 8}
+            for model in ("cnn", "transformer"):
+                one, two = [], []
+                for rep in range(reps):
+                    for workers in ((1, 2) if rep % 2 == 0 else (2, 1)):
+                        rate_ = train_rate(scratch, model, workers, epochs=epochs, steps=steps,
+                                           tag=f"{rate}_{model}_{workers}_{rep}")
+                        (one if workers == 1 else two).append(rate_)
+                row[model] = {"one_worker_examples_per_second": spread(one),
+                              "two_workers_examples_per_second": spread(two),
+                              "efficiency": spread(b / (2 * a) for a, b in zip(one, two))}
+            times = allreduce(scratch, sizes, max(reps, 3), f"allreduce_{rate}")
+            row["allreduce"] = {str(size): {
+                "bus_bytes_per_second": spread(size * 2**20 / s for s in times[str(size)]),
+                "fraction_of_link": spread(size * 2**20 / s / (bits / 8) for s in times[str(size)])}
+                for size in sizes}
+            results["links"][link] = row
+            print(f"{link}: " + ", ".join(f"{m} efficiency {row[m]['efficiency']['median']:.2f}"
+                                          for m in ("cnn", "transformer")), flush=True)
+    results["seconds"] = time.time() - started
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "scaling.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    plot(results, os.path.join(args.out, "scaling.png"))
+    print(f"wrote {os.path.join(args.out, 'scaling.json')} in {results['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

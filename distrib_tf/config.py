@@ -1,0 +1,133 @@
+"""The main job's settings: `TrainConfig`, validated at construction, one line per mistake.
+
+No TensorFlow here: a notebook or a sweep builds and checks configs without starting it.
+"""
+
+import dataclasses
+import hashlib
+import json
+
+MODELS = ("cnn", "transformer")  # distrib_tf.models.MODELS builds them.
+KINDS = ("auto", "one_device", "mirrored", "multi_worker")  # make_strategy's kinds.
+OUTER_OPTIMIZERS = {"average": (1.0, 0.0), "nesterov": (0.7, 0.9)}  # Default rate, momentum.
+ALLREDUCE_DTYPES = ("float32", "bfloat16", "float16")
+
+MIXED_PRECISION = {"off": "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}
+DEFAULT_DATASETS = {"cnn": "shapes", "transformer": "tokens"}
+MODEL_KINDS = {"cnn": "image", "transformer": "text"}
+ON_NAN = ("stop", "rollback")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything the main job needs but the `model_dir`; validated at construction.
+
+    Example:
+
+        >>> config = TrainConfig(model="transformer", epochs=1)
+        >>> config.dataset
+        'tokens'
+    """
+
+    model: str = "cnn"
+    dataset: str = ""
+    data_dir: str | None = None
+    epochs: int = 3
+    global_batch_size: int = 64
+    learning_rate: float = 1e-3
+    strategy: str = "auto"
+    cpu_replicas: int | None = None
+    mixed_precision: str = "off"
+    seed: int = 0
+    steps_per_epoch: int | None = None
+    collective_timeout: float | None = None
+    backup_every_steps: int | None = None
+    on_nan: str = "stop"
+    max_rollbacks: int = 3
+    sync: str = "step"
+    outer_optimizer: str | None = None
+    outer_learning_rate: float | None = None
+    outer_momentum: float | None = None
+    allreduce_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            invalid_flag("model", self.model, f"one of {', '.join(MODELS)}")
+        if not self.dataset:
+            object.__setattr__(self, "dataset", DEFAULT_DATASETS[self.model])
+        for name in ("epochs", "global_batch_size"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("cpu_replicas", "steps_per_epoch", "backup_every_steps"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if not self.learning_rate > 0:
+            invalid_flag("learning_rate", self.learning_rate, "a number > 0")
+        if self.collective_timeout is not None and not self.collective_timeout > 0:
+            invalid_flag("collective_timeout", self.collective_timeout, "a number of seconds > 0")
+        if self.mixed_precision not in MIXED_PRECISION:
+            invalid_flag("mixed_precision", self.mixed_precision, f"one of {', '.join(MIXED_PRECISION)}")
+        if self.on_nan not in ON_NAN:
+            invalid_flag("on_nan", self.on_nan, f"one of {', '.join(ON_NAN)}")
+        if isinstance(self.max_rollbacks, bool) or not isinstance(self.max_rollbacks, int) or self.max_rollbacks < 0:
+            invalid_flag("max_rollbacks", self.max_rollbacks, "an integer >= 0")
+        if self.strategy not in KINDS:
+            invalid_flag("strategy", self.strategy, f"one of {', '.join(KINDS)}")
+        self.sync_every()  # Checks --sync.
+        outer = {"outer_optimizer": self.outer_optimizer, "outer_learning_rate": self.outer_learning_rate,
+                 "outer_momentum": self.outer_momentum}
+        if self.sync == "step":
+            for name, value in outer.items():
+                if value is not None:
+                    invalid_flag(name, value, "none with --sync=step: outer options need --sync=every:N or epoch")
+        if self.outer_optimizer is not None and self.outer_optimizer not in OUTER_OPTIMIZERS:
+            invalid_flag("outer_optimizer", self.outer_optimizer, f"one of {', '.join(OUTER_OPTIMIZERS)}")
+        if self.outer_learning_rate is not None and not self.outer_learning_rate > 0:
+            invalid_flag("outer_learning_rate", self.outer_learning_rate, "a number > 0")
+        if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
+            invalid_flag("outer_momentum", self.outer_momentum, "a number from 0 to below 1")
+        if (self.outer_optimizer or "average") == "average":
+            for name in ("outer_learning_rate", "outer_momentum"):
+                if outer[name] is not None:
+                    invalid_flag(name, outer[name], "it only with --outer_optimizer=nesterov (the average "
+                             "takes no learning rate or momentum)")
+        if self.allreduce_dtype not in ALLREDUCE_DTYPES:
+            invalid_flag("allreduce_dtype", self.allreduce_dtype, f"one of {', '.join(ALLREDUCE_DTYPES)}")
+        if self.allreduce_dtype != "float32" and self.sync != "step":
+            invalid_flag("allreduce_dtype", self.allreduce_dtype, "float32 with periodic --sync, which "
+                     "averages weights, not gradients")
+
+    def sync_every(self) -> int | None:
+        """Steps between weight averages: `None` for `step` (gradients every step), 0 for `epoch`."""
+        if self.sync == "step":
+            return None
+        if self.sync == "epoch":
+            return 0
+        kind, _, count = self.sync.partition(":")
+        if kind != "every" or not count.isdigit() or int(count) < 1:
+            invalid_flag("sync", self.sync, "step, epoch or every:N with N a positive integer")
+        return int(count)
+
+    def outer(self) -> tuple[str, float, float]:
+        """The outer optimizer of periodic sync, its learning rate and momentum."""
+        name = self.outer_optimizer or "average"
+        rate, momentum = OUTER_OPTIMIZERS[name]
+        return (name, self.outer_learning_rate if self.outer_learning_rate is not None else rate,
+                self.outer_momentum if self.outer_momentum is not None else momentum)
+
+
+    def run_id(self) -> str:
+        """What a backup must match to be resumed: every field that changes the math."""
+        fields = dataclasses.asdict(self)
+        for name in ("epochs", "data_dir", "strategy", "cpu_replicas", "collective_timeout",
+                     "backup_every_steps", "on_nan", "max_rollbacks"):
+            fields.pop(name)
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def invalid_flag(flag, value, expected):
+    raise ValueError(f"Invalid value for `--{flag}`. Received: {value!r}. Expected {expected}.")
+
+
+def _check_positive_int(flag, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        invalid_flag(flag, value, "a positive integer")

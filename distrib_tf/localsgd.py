@@ -1,0 +1,177 @@
+"""Communicate less: periodic weight averaging (local SGD), and gradients in fewer bits.
+
+Synchronous training all-reduces every gradient at every step. Where the link, not the
+compute, sets the pace, two things help, both for any Keras model under a strategy from
+`make_strategy()`:
+
+**Periodic averaging** (`PeriodicSync`; the main job's `--sync=every:N` or `epoch`).
+Each replica applies its own gradient: the optimizer's gradient all-reduce is skipped,
+and the gradient is scaled back to the replica's own mean (Keras divides each replica's
+loss by the number of replicas). The replicas' weights drift apart; every N steps (with
+`--sync=epoch`, every epoch's last step), and once when `fit` starts and ends, one
+all-reduce averages every weight of the model, BatchNormalization's moving statistics
+included. The outer step then sets the new weights (Lin et al. 2018; DiLoCo, Douillard
+et al. 2023):
+
+- `average`: the average itself;
+- `nesterov`: DiLoCo's outer step. With `anchor` the weights of the last sync and
+  `delta = anchor - average` the outer gradient: `m = momentum * m + delta`, then
+  `anchor -= rate * (delta + momentum * m)`. Rate 1 and momentum 0 is the average.
+
+Each replica keeps its own optimizer state (Adam's moments), as in DiLoCo; the step
+counts are equal anyway. The outer momentum lives in memory: a resumed job starts it
+from zero, after one average that makes every worker's weights equal again. With plain
+SGD, `every=1` and `average` equal synchronous training (the mean of `w - lr * g_i` is
+`w - lr * mean(g_i)`); with momentum or Adam they do not, since each replica's optimizer
+state follows its own gradients.
+
+**Compressed all-reduce** (`compress_gradients`; `--allreduce_dtype=bfloat16|float16`).
+Gradients travel in that type and are reduced back to the variables' type, in the one
+place Keras 3 all-reduces them (`_all_reduce_sum_gradients` of its TensorFlow optimizer).
+Under `mixed_float16`, gradients reach that place unscaled; `float16` multiplies them by
+the loss scale for the trip and divides after, so that small gradients do not flush to 0.
+
+Example, a Keras user's own model:
+
+    >>> strategy = distrib_tf.make_strategy()
+    >>> with strategy.scope():
+    ...     model = ...; model.compile(...)
+    >>> model.fit(dataset, callbacks=[PeriodicSync(strategy, every=64)])
+"""
+
+import functools
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.backend.tensorflow import optimizer as _tf_optimizer
+
+_MODE = "_distrib_tf_gradients"  # On an optimizer: "local", a dtype name, or absent.
+
+
+def _install():
+    """Patches the TensorFlow optimizer's gradient all-reduce once per process."""
+    owner = _tf_optimizer.TFOptimizer
+    if getattr(owner._all_reduce_sum_gradients, "__distrib_tf_original__", None):  # pylint: disable=protected-access
+        return
+    original = owner._all_reduce_sum_gradients  # pylint: disable=protected-access
+
+    @functools.wraps(original)
+    def all_reduce_sum_gradients(self, grads_and_vars):
+        mode = getattr(self, _MODE, None)
+        if mode is None or tf.distribute.get_replica_context() is None:
+            return original(self, grads_and_vars)
+        if mode == "local":  # Undo Keras's division of each replica's loss by the replica count.
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            return [(None if g is None else g * replicas, v) for g, v in grads_and_vars]
+        scale = getattr(self, "_distrib_tf_loss_scale", None)
+        factor = tf.cast(scale, tf.float32) if scale is not None and mode == "float16" else 1.0
+        narrow = [(None if g is None else tf.cast(g * factor, mode), v) for g, v in grads_and_vars]
+        return [(None if g is None else tf.cast(g, v.dtype) / tf.cast(factor, v.dtype), v)
+                for g, v in original(self, narrow)]
+
+    all_reduce_sum_gradients.__distrib_tf_original__ = original
+    owner._all_reduce_sum_gradients = all_reduce_sum_gradients  # pylint: disable=protected-access
+
+
+def _inner_optimizers(optimizer):
+    """The optimizer that all-reduces: the one inside a LossScaleOptimizer, else itself."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return [optimizer, inner] if inner is not None else [optimizer]
+
+
+def compress_gradients(optimizer, dtype: str) -> None:
+    """Makes `optimizer` all-reduce gradients in `dtype` (`"float32"` restores it)."""
+    if dtype == "float32" and not any(hasattr(each, _MODE) for each in _inner_optimizers(optimizer)):
+        return
+    _install()
+    scale = getattr(optimizer, "dynamic_scale", None)  # A LossScaleOptimizer's.
+    for each in _inner_optimizers(optimizer):
+        if dtype == "float32":
+            each.__dict__.pop(_MODE, None)
+        else:
+            setattr(each, _MODE, dtype)
+            each._distrib_tf_loss_scale = scale  # pylint: disable=protected-access
+
+
+class PeriodicSync(keras.callbacks.Callback):
+    """Local SGD: each replica applies its own gradients; every `every` steps, average.
+
+    Args:
+        strategy: the strategy the model was built under.
+        every: steps between averages (counted by the optimizer's iterations, so a
+            resumed run keeps the schedule).
+        outer: `"average"` or `"nesterov"` (DiLoCo's outer step).
+        outer_learning_rate, outer_momentum: the outer step's, for `"nesterov"`.
+
+    After each sync, `syncs` counts them and `bytes_per_worker` adds what a ring
+    all-reduce of the weights sends from each worker (2 (n-1)/n of their bytes).
+    """
+
+    def __init__(self, strategy, every: int, *, outer: str = "average", outer_learning_rate: float = 1.0,
+                 outer_momentum: float = 0.0):
+        super().__init__()
+        if every < 1:
+            raise ValueError(f"Invalid value for `every`. Received: {every}. Expected a positive integer.")
+        if outer not in ("average", "nesterov"):
+            raise ValueError(f"Invalid value for `outer`. Received: {outer!r}. Expected 'average' or 'nesterov'.")
+        self.strategy, self.every, self.outer = strategy, every, outer
+        self.rate, self.momentum = outer_learning_rate, outer_momentum
+        self.syncs, self.bytes_per_worker = 0, 0
+        self._average_fn = self._anchor = self._velocity = None
+
+    def set_model(self, model):
+        super().set_model(model)
+        _install()
+        for each in _inner_optimizers(model.optimizer):
+            setattr(each, _MODE, "local")
+
+    def _averaged(self) -> list[np.ndarray]:
+        """Every weight of the model averaged over all replicas (one all-reduce)."""
+        weights = self.model.weights
+        if self._average_fn is None:
+            shapes = [tuple(w.shape) for w in weights]
+
+            @tf.function
+            def average():
+                def replica_fn():
+                    flat = tf.concat([tf.reshape(tf.cast(w.value, tf.float32), [-1]) for w in weights], 0)
+                    return tf.distribute.get_replica_context().all_reduce("MEAN", flat)
+                return self.strategy.run(replica_fn)
+
+            self._average_fn, self._shapes = average, shapes
+        flat = self.strategy.experimental_local_results(self._average_fn())[0].numpy()
+        sizes = [int(np.prod(s)) for s in self._shapes]
+        return [part.reshape(shape) for part, shape in zip(np.split(flat, np.cumsum(sizes)[:-1]), self._shapes)]
+
+    def synchronize(self, outer_step: bool = True) -> None:
+        """Averages the replicas' weights now and applies the outer step (if `outer_step`)."""
+        averaged = self._averaged()
+        trainable = {id(w) for w in self.model.trainable_weights}
+        new = []
+        for index, (weight, mean) in enumerate(zip(self.model.weights, averaged)):
+            if outer_step and self.outer == "nesterov" and id(weight) in trainable:
+                delta = self._anchor[index] - mean
+                self._velocity[index] = self.momentum * self._velocity[index] + delta
+                self._anchor[index] = self._anchor[index] - self.rate * (delta + self.momentum * self._velocity[index])
+                mean = self._anchor[index]
+            new.append(mean)
+        for weight, value in zip(self.model.weights, new):
+            weight.assign(value.astype(weight.dtype))
+        replicas = self.strategy.num_replicas_in_sync
+        self.syncs += 1
+        self.bytes_per_worker += int(sum(v.size for v in averaged) * 4 * 2 * (replicas - 1) / max(replicas, 1))
+
+    def on_train_begin(self, logs=None):
+        # Equal weights first (a resumed job's workers backed up their own), then the anchor.
+        self.synchronize(outer_step=False)
+        self._anchor = [np.array(w.numpy(), copy=True) for w in self.model.weights]
+        self._velocity = [np.zeros_like(a) for a in self._anchor]
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) % self.every == 0:
+            self.synchronize()
+
+    def on_train_end(self, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) % self.every:
+            self.synchronize()
