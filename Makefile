@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-fast test-compat soak bench bench-scaling lint clean
+.PHONY: install train test test-fast test-compat soak bench bench-scaling bench-sync lint clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ bench: $(STAMP)
 # As root: two simulated hosts, a shaped link, pinned cores (benchmarks/scaling.py).
 bench-scaling: $(STAMP)
 	$(PY) benchmarks/scaling.py
+
+# As root: periodic sync and compressed all-reduce on shaped links (benchmarks/sync.py).
+bench-sync: $(STAMP)
+	$(PY) benchmarks/sync.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check distrib_tf tests benchmarks

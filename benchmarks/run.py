@@ -4,7 +4,8 @@
 
 Each figure compares two sides measured in this run, alternately (A B, B A, A B, ...),
 `--reps` times each; `results.json` holds every value with its min, median and max, and
-the versions and machine. `--tiny` runs every part at a toy size, to check the scripts.
+the versions and machine (the previous `results.json` becomes `results.previous.json`, to
+compare two runs). `--tiny` runs every part at a toy size, to check the scripts.
 
 - P1: the main job on 2 workers through distrib_tf (`distrib-tf-launch --workers=2 --
   python -m distrib_tf.train`) / the same training written by hand (`baseline.py`: same
@@ -246,6 +247,8 @@ def main(argv=None):
             results.update(bench_p4(scratch, reps=reps, epochs=1, steps=20))
     results["seconds"] = time.time() - started
     os.makedirs(args.out, exist_ok=True)
+    if os.path.exists(os.path.join(args.out, "results.json")):  # Kept, to compare two runs.
+        os.replace(os.path.join(args.out, "results.json"), os.path.join(args.out, "results.previous.json"))
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     plot_allreduce(results, os.path.join(args.out, "allreduce.png"))

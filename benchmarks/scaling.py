@@ -68,8 +68,8 @@ def two_hosts():
 
 def shape(rate: str, burst: str):
     for (name, _, _), end in zip(HOSTS, VETH):
-        _ip("-n", name, "qdisc", "replace", "dev", end, "root", "tbf", "rate", rate, "burst", burst,
-            "latency", "50ms")
+        subprocess.run(["tc", "-n", name, "qdisc", "replace", "dev", end, "root", "tbf", "rate", rate,
+                        "burst", burst, "latency", "50ms"], check=True, capture_output=True, text=True)
 
 
 def on_host(index: int, command, env=None) -> subprocess.Popen:

@@ -2,8 +2,9 @@
 
 Clusters take machines back with a SIGTERM first (Slurm before a preemption or the end of
 a time limit, Kubernetes before an eviction). `install_sigterm_handler()` makes SIGTERM
-only record that it came. After every training step, `SaveOnPreemption` all-gathers
-that flag from every worker (one tiny collective per step): when any worker was told,
+only record that it came. After every training step, `SaveOnPreemption` sums that flag
+over every replica (one 4-byte all-reduce per step, in a `tf.function` traced once): when
+any worker was told,
 all of them back up the same step and raise `Preempted`. The main job then exits with
 `EXIT_PREEMPTED` (75), which the launcher forwards; started again, the job resumes at
 that step (`distrib_tf.backup`): no step is lost.
@@ -18,9 +19,7 @@ Example, for a Keras user's own `fit`:
 import signal
 
 import keras
-import numpy as np
-
-from distrib_tf import backup
+import tensorflow as tf
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the state is saved; start the job again to resume.
 
@@ -62,8 +61,18 @@ class SaveOnPreemption(keras.callbacks.Callback):
         super().__init__()
         self.worker_backup = worker_backup
 
+    def on_train_begin(self, logs=None):
+        strategy = self.model.distribute_strategy
+
+        @tf.function
+        def told(flag):
+            def replica_fn():  # The flag, read on this replica's device, summed over all.
+                return tf.distribute.get_replica_context().all_reduce("SUM", tf.identity(flag))
+            return strategy.run(replica_fn)
+
+        self._told = lambda flag: strategy.experimental_local_results(told(tf.constant(flag)))[0]
+
     def on_train_batch_end(self, batch, logs=None):
-        rows = backup.gather_rows(self.model.distribute_strategy, np.array([int(_requested)]))
-        if rows.any():
+        if float(self._told(float(_requested))) > 0:
             self.worker_backup.save()
             raise Preempted(self.worker_backup.step)

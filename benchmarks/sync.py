@@ -1,0 +1,136 @@
+"""`make bench-sync`: communicating less on slow links, to a target test accuracy.
+
+    python benchmarks/sync.py [--tiny] [--epochs=4] [--out=DIR]     # as root
+
+The harness of `scaling.py`: two simulated hosts, a `tbf`-shaped veth link (1 Gbit/s,
+then 100 Mbit/s), each worker pinned to a core of its own. For each model, link and
+setting (`--sync=step`, `every:8`, `every:64`, `epoch`, the last three also with DiLoCo's
+Nesterov outer step, and `step` with a bfloat16 all-reduce), one run of the main job on
+the two workers (global batch 64, full epochs):
+
+- seconds from start to the end of the first epoch whose test accuracy reaches the
+  target (CNN on `shapes`: 0.98; transformer on `tokens`: 0.75), or none;
+- the final test accuracy;
+- bytes each host sent over the link during the run (the veth's own counters: every
+  all-reduce, metric and control message included).
+
+Writes `sync.json` and `sync.png`. One run per cell: the spread of this machine's runs is
+in `scaling.json` and `results.json`.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from run import environment  # noqa: E402
+from scaling import HOSTS  # noqa: E402
+from scaling import LINKS  # noqa: E402
+from scaling import PY  # noqa: E402
+from scaling import VETH  # noqa: E402
+from scaling import _tf_config  # noqa: E402
+from scaling import _wait  # noqa: E402
+from scaling import on_host  # noqa: E402
+from scaling import shape  # noqa: E402
+from scaling import two_hosts  # noqa: E402
+
+TARGETS = {"cnn": 0.98, "transformer": 0.75}
+SETTINGS = {
+    "step": [],
+    "step, bfloat16 all-reduce": ["--allreduce_dtype=bfloat16"],
+    "every:8": ["--sync=every:8"],
+    "every:64": ["--sync=every:64"],
+    "epoch": ["--sync=epoch"],
+    "every:8, nesterov": ["--sync=every:8", "--outer_optimizer=nesterov"],
+    "every:64, nesterov": ["--sync=every:64", "--outer_optimizer=nesterov"],
+    "epoch, nesterov": ["--sync=epoch", "--outer_optimizer=nesterov"],
+}
+
+
+def sent_bytes() -> list[int]:
+    """Bytes each host has sent over its end of the link so far."""
+    counts = []
+    for (name, _, _), end in zip(HOSTS, VETH):
+        shown = subprocess.run(["ip", "-n", name, "-s", "-j", "link", "show", "dev", end],
+                               check=True, capture_output=True, text=True).stdout
+        counts.append(json.loads(shown)[0]["stats64"]["tx"]["bytes"])
+    return counts
+
+
+def run(scratch, model, flags, *, epochs, steps, tag) -> dict:
+    model_dir = f"{scratch}/{tag}"
+    command = [PY, "-m", "distrib_tf.train", f"--model={model}", f"--epochs={epochs}", "--global_batch_size=64",
+               f"--model_dir={model_dir}", *flags, *([f"--steps_per_epoch={steps}"] if steps else [])]
+    before, started = sent_bytes(), time.time()
+    _wait([on_host(i, command, {"TF_CONFIG": _tf_config(i)}) for i in range(2)], timeout=1800)
+    after = sent_bytes()
+    with open(f"{model_dir}/summary.json") as f:
+        summary = json.load(f)
+    reached = next((end - started for epoch, end in zip(summary["epochs"], summary["epoch_end_unix_times"])
+                    if epoch["val_accuracy"] >= TARGETS[model]), None)
+    return {"seconds_to_target": reached, "final_accuracy": summary["final"]["accuracy"],
+            "wall_seconds": summary["epoch_end_unix_times"][-1] - started,
+            "bytes_sent_per_worker": max(b - a for a, b in zip(before, after)),
+            "accuracy_by_epoch": [e["val_accuracy"] for e in summary["epochs"]]}
+
+
+def plot(results, path):
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+    cells = [(model, link) for model in results["models"] for link in results["models"][model]]
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 4), squeeze=False)
+    for ax, (model, link) in zip(axes[0], cells):
+        rows = results["models"][model][link]
+        names = list(rows)
+        seconds = [rows[n]["seconds_to_target"] or 0 for n in names]
+        bars = ax.barh(names, seconds, color=["C0" if rows[n]["seconds_to_target"] else "lightgray" for n in names])
+        for bar, name in zip(bars, names):
+            label = f"{rows[name]['bytes_sent_per_worker'] / 1e6:.0f} MB" + (
+                "" if rows[name]["seconds_to_target"] else ", not reached")
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + label, va="center", fontsize=7)
+        ax.set(title=f"{model}, {link}: s to {TARGETS[model]}", xlabel="seconds (gray: target not reached)")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--out", default=HERE)
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        sys.exit("benchmarks/sync.py: cannot run here: it needs root (network namespaces); see scaling.py")
+    links = {k: LINKS[k] for k in (["100 Mbit/s"] if args.tiny else ["1 Gbit/s", "100 Mbit/s"])}
+    settings = {k: SETTINGS[k] for k in (["step", "every:8"] if args.tiny else SETTINGS)}
+    epochs, steps = (1, 10) if args.tiny else (args.epochs, None)
+    started = time.time()
+    results = {"environment": environment(), "epochs": epochs, "targets": TARGETS, "models": {}}
+    with tempfile.TemporaryDirectory() as scratch, two_hosts():
+        for model in ("cnn", "transformer"):
+            for link, (rate, burst, _) in links.items():
+                shape(rate, burst)
+                rows = results["models"].setdefault(model, {}).setdefault(link, {})
+                for name, flags in settings.items():
+                    rows[name] = run(scratch, model, flags, epochs=epochs, steps=steps,
+                                     tag=f"{model}_{rate}_{len(rows)}")
+                    print(f"{model}, {link}, {name}: {rows[name]}", flush=True)
+    results["seconds"] = time.time() - started
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "sync.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    plot(results, os.path.join(args.out, "sync.png"))
+    print(f"wrote {os.path.join(args.out, 'sync.json')} in {results['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
