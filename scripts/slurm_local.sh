@@ -18,17 +18,7 @@ stop() {
 if [ "$action" = stop ]; then stop; exit 0; fi
 
 mkdir -p "$dir/state" "$dir/spool" "$dir/munge"
-chmod 755 "$dir"
-chown munge:munge "$dir/munge"
-if [ ! -s /etc/munge/munge.key ]; then
-  dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-fi
-chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
-mkdir -p /run/munge && chown munge:munge /run/munge
-if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-  runuser -u munge -- munged --pid-file="$dir/munge/munged.pid" --force
-  sleep 1
-fi
+. "$(dirname "$0")/munge_start.sh"
 node=$(hostname)
 cat > "$dir/slurm.conf" <<CONF
 ClusterName=distrib_tf_test

@@ -30,27 +30,24 @@ def test_benchmarks_run_at_a_tiny_size(tmp_path):
     assert (tmp_path / "allreduce.png").stat().st_size > 1000
 
 
+def _scaling(results):
+    link = results["links"]["1 Gbit/s"]
+    return link["cnn"]["efficiency"]["median"] > 0 and link["allreduce"]["1"]["fraction_of_link"]["median"] > 0
+
+
+def _sync(results):
+    rows = results["models"]["cnn"]["100 Mbit/s"]
+    return rows["step"]["bytes_sent_per_worker"] > rows["every:8"]["bytes_sent_per_worker"] > 0
+
+
 @pytest.mark.slow
-def test_scaling_benchmark_runs_at_a_tiny_size(tmp_path):
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "scaling.py"), "--tiny",
+@pytest.mark.parametrize("name, check", [("scaling", _scaling), ("sync", _sync)])
+def test_shaped_link_benchmarks_run_at_a_tiny_size(tmp_path, name, check):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", f"{name}.py"), "--tiny",
                              f"--out={tmp_path}"], capture_output=True, text=True, timeout=900)
     if "cannot run here" in result.stderr:
         pytest.skip(result.stderr.strip())
     assert result.returncode == 0, result.stderr[-3000:]
-    with open(tmp_path / "scaling.json") as f:
-        link = json.load(f)["links"]["1 Gbit/s"]
-    assert link["cnn"]["efficiency"]["median"] > 0 and link["allreduce"]["1"]["fraction_of_link"]["median"] > 0
-    assert (tmp_path / "scaling.png").stat().st_size > 1000
-
-
-@pytest.mark.slow
-def test_sync_benchmark_runs_at_a_tiny_size(tmp_path):
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sync.py"), "--tiny",
-                             f"--out={tmp_path}"], capture_output=True, text=True, timeout=900)
-    if "cannot run here" in result.stderr:
-        pytest.skip(result.stderr.strip())
-    assert result.returncode == 0, result.stderr[-3000:]
-    with open(tmp_path / "sync.json") as f:
-        rows = json.load(f)["models"]["cnn"]["100 Mbit/s"]
-    assert rows["step"]["bytes_sent_per_worker"] > rows["every:8"]["bytes_sent_per_worker"] > 0
-    assert (tmp_path / "sync.png").stat().st_size > 1000
+    with open(tmp_path / f"{name}.json") as f:
+        assert check(json.load(f))
+    assert (tmp_path / f"{name}.png").stat().st_size > 1000

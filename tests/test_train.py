@@ -42,7 +42,8 @@ def test_offline_default_trains_and_beats_chance(tmp_path, model, dataset, chanc
     assert summary["final"]["accuracy"] > 2.5 * chance, summary["final"]
     assert summary["examples_per_second"] > 0 and summary["wall_seconds"] > 0
     assert f"final accuracy {summary['final']['accuracy']:.4f}" in result.output
-    assert sorted(os.listdir(model_dir)) == ["checkpoints", "logs", "summary.json"]  # backup/ removed on success
+    # The chief's outputs; backup/ is removed on success.
+    assert sorted(os.listdir(model_dir)) == ["checkpoints", "logs", "model.keras", "serving", "summary.json"]
     assert os.stat(model_dir).st_mode & 0o777 == 0o700
 
 
