@@ -1,6 +1,6 @@
 """`make bench-sync`: communicating less on slow links, to a target test accuracy.
 
-    python benchmarks/sync.py [--tiny] [--epochs=4] [--out=DIR]     # as root
+    python benchmarks/sync.py [--tiny] [--epochs=3] [--links=1g,100m] [--out=DIR]     # as root
 
 The harness of `scaling.py`: two simulated hosts, a `tbf`-shaped veth link (1 Gbit/s,
 then 100 Mbit/s), each worker pinned to a core of its own. For each model, link and
@@ -105,12 +105,17 @@ def plot(results, path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--links", default="1g,100m", help="which shaped links: 1g, 100m or both")
     parser.add_argument("--out", default=HERE)
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("benchmarks/sync.py: cannot run here: it needs root (network namespaces); see scaling.py")
-    links = {k: LINKS[k] for k in (["100 Mbit/s"] if args.tiny else ["1 Gbit/s", "100 Mbit/s"])}
+    names = {"1g": "1 Gbit/s", "100m": "100 Mbit/s"}
+    chosen = ["100m"] if args.tiny else args.links.split(",")
+    if not set(chosen) <= set(names):
+        sys.exit(f"benchmarks/sync.py: error: --links={args.links}: expected 1g, 100m or 1g,100m")
+    links = {names[k]: LINKS[names[k]] for k in chosen}
     settings = {k: SETTINGS[k] for k in (["step", "every:8"] if args.tiny else SETTINGS)}
     epochs, steps = (1, 10) if args.tiny else (args.epochs, None)
     started = time.time()

@@ -1,0 +1,115 @@
+"""Markdown tables from the JSON the benchmarks wrote (what BENCHMARKS.md quotes).
+
+    python benchmarks/report.py [DIR]     # DIR: where results*.json, scaling.json, sync.json are
+
+Prints every figure as median (min-max) over its repetitions; nothing is computed here
+that the JSON does not hold but ratios of its medians, named as such.
+"""
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load(folder, name):
+    path = os.path.join(folder, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def fmt(value, digits=3) -> str:
+    return f"{value['median']:.{digits}f} ({value['min']:.{digits}f}–{value['max']:.{digits}f})"
+
+
+RATIOS = [
+    ("p1_step_time_ratio", "≤ 1.02", "P1: training-step time, distrib_tf / hand-written"),
+    ("p1_wall_per_epoch_ratio", "—", "P1: wall time per epoch (validation, backups, checkpoints on our side)"),
+    ("p2_pipeline_ratio_cnn", "≤ 1.05", "P2: step time, real pipeline / one cached batch, CNN, 2 workers"),
+    ("p2_pipeline_ratio_transformer", "≤ 1.05", "P2: the same, transformer"),
+    ("p4_first_step_ratio", "≤ 1.1", "P4: seconds to the first step, launcher / by hand"),
+    ("p4_total_ratio", "≤ 1.1", "P4: seconds to the end, launcher / by hand"),
+]
+
+
+def bench_tables(results, previous) -> list[str]:
+    env = results["environment"]
+    lines = [f"Run of {env['date']}: {env['machine']}; TensorFlow {env['tensorflow']}, Keras {env['keras']}, "
+             f"Python {env['python']}; {results['reps']} repetitions per side, {results['seconds']:.0f} s.", "",
+             "| figure | this run | previous run | goal | what |", "| --- | --- | --- | --- | --- |"]
+    for key, goal, what in RATIOS:
+        before = fmt(previous[key]) if previous and key in previous else "—"
+        lines.append(f"| `{key}` | {fmt(results[key])} | {before} | {goal} | {what} |")
+    lines += ["", "| side | P1 step seconds | P1 wall seconds per epoch | P4 s to first step | P4 s total |",
+              "| --- | --- | --- | --- | --- |"]
+    for ours, theirs, label in (("distrib_tf", "launcher", "distrib_tf / launcher"),
+                                ("hand_written", "by_hand", "hand-written / by hand")):
+        lines.append(f"| {label} | {fmt(results['p1_step_seconds'][ours], 4)} | "
+                     f"{fmt(results['p1_wall_seconds_per_epoch'][ours], 2)} | "
+                     f"{fmt(results['p4_seconds_to_first_step'][theirs], 2)} | "
+                     f"{fmt(results['p4_seconds_total'][theirs], 2)} |")
+    ceiling = results["p3_ceiling_bytes_per_second"]
+    lines += ["", f"P3: ceiling `iperf3 --bidir` over loopback, each way: {ceiling['median'] / 1e6:.0f} MB/s "
+              f"({ceiling['min'] / 1e6:.0f}–{ceiling['max'] / 1e6:.0f}).", "",
+              "| MB reduced | bus bandwidth, MB/s | fraction of the ceiling |", "| --- | --- | --- |"]
+    for size, row in results["p3_allreduce"].items():
+        bus = {k: v / 1e6 for k, v in row["bus_bytes_per_second"].items() if k != "values"}
+        lines.append(f"| {size} | {fmt(bus, 0)} | {fmt(row['fraction_of_ceiling'])} |")
+    return lines
+
+
+def scaling_tables(scaling) -> list[str]:
+    lines = [f"Run of {scaling['environment']['date']}, {scaling['reps']} repetitions per cell, "
+             f"{scaling['seconds']:.0f} s.", "",
+             "| link | iperf3 each way, MB/s | model | 1 worker, examples/s | 2 workers, examples/s | efficiency |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for link, row in scaling["links"].items():
+        iperf = {k: v / 1e6 for k, v in row["iperf3_bidir_bytes_per_second"].items() if k != "values"}
+        for model in ("cnn", "transformer"):
+            cell = row[model]
+            lines.append(f"| {link} | {fmt(iperf, 0)} | {model} | {fmt(cell['one_worker_examples_per_second'], 0)} | "
+                         f"{fmt(cell['two_workers_examples_per_second'], 0)} | {fmt(cell['efficiency'], 2)} |")
+    sizes = list(next(iter(scaling["links"].values()))["allreduce"])
+    lines += ["", "All-reduce bus bandwidth / shaped rate:", "",
+              "| link | " + " | ".join(f"{s} MB" for s in sizes) + " |", "| --- |" + " --- |" * len(sizes)]
+    for link, row in scaling["links"].items():
+        lines.append(f"| {link} | " + " | ".join(fmt(row["allreduce"][s]["fraction_of_link"], 2) for s in sizes) + " |")
+    return lines
+
+
+def sync_tables(sync) -> list[str]:
+    lines = [f"Run of {sync['environment']['date']}, {sync['epochs']} epochs per run, one run per cell, "
+             f"{sync['seconds']:.0f} s.", ""]
+    for model, links in sync["models"].items():
+        for link, rows in links.items():
+            step = rows["step"]["seconds_to_target"]
+            lines += [f"{model}, {link}, target test accuracy {sync['targets'][model]}:", "",
+                      "| setting | s to target | × faster than step | final accuracy | MB sent per worker |",
+                      "| --- | --- | --- | --- | --- |"]
+            for name, row in rows.items():
+                reached = row["seconds_to_target"]
+                speedup = f"{step / reached:.2f}" if reached and step else "—"
+                lines.append(f"| {name} | {f'{reached:.1f}' if reached else 'not reached'} | {speedup} | "
+                             f"{row['final_accuracy']:.4f} | {row['bytes_sent_per_worker'] / 1e6:.1f} |")
+            lines.append("")
+    return lines
+
+
+def main():
+    folder = sys.argv[1] if len(sys.argv) > 1 else HERE
+    results = _load(folder, "results.json")
+    if results:
+        print("\n".join(["## make bench", ""] + bench_tables(results, _load(folder, "results.previous.json")) + [""]))
+    scaling = _load(folder, "scaling.json")
+    if scaling:
+        print("\n".join(["## make bench-scaling", ""] + scaling_tables(scaling) + [""]))
+    sync = _load(folder, "sync.json")
+    if sync:
+        print("\n".join(["## make bench-sync", ""] + sync_tables(sync)))
+
+
+if __name__ == "__main__":
+    main()
