@@ -33,3 +33,10 @@ def test_bad_model_arguments():
         build_model("resnet")
     with pytest.raises(ValueError, match=r"Received: heads=3 with width=64\. Expected a divisor of `width`"):
         build_model("transformer", vocab_size=10, seq_len=4, num_classes=2, heads=3)
+
+
+def test_config_names_the_models_that_exist():
+    from distrib_tf import config  # pylint: disable=import-outside-toplevel
+    from distrib_tf.models import MODELS  # pylint: disable=import-outside-toplevel
+
+    assert config.MODELS == tuple(MODELS)

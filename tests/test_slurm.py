@@ -63,22 +63,16 @@ def test_local_rank_from_slurm():
         slurm.local_rank({**STEP, "SLURM_LOCALID": "2"})
 
 
-def test_hostlists_in_every_form_slurm_writes(tmp_path):
+def test_hostlists_in_every_form_slurm_writes(tmp_path, monkeypatch):
     if shutil.which("scontrol") is None:
         _need_slurm("needs Slurm's scontrol (apt-get install slurm-wlm)")
     conf = tmp_path / "slurm.conf"  # scontrol reads a configuration, even to expand names.
     conf.write_text("ClusterName=hostlists\nSlurmctldHost=localhost\n")
-    os.environ["SLURM_CONF"], saved = str(conf), os.environ.get("SLURM_CONF")
-    try:
-        assert slurm.hostnames("rack[1-2]-n[01-02],login,x[7,9-10]") == [
-            "rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02", "login", "x7", "x9", "x10"]
-        with pytest.raises(ClusterSpecError, match=r"Received: 'a\[7,9-10\]b'.*\(Invalid hostlist"):
-            slurm.hostnames("a[7,9-10]b")
-    finally:
-        if saved is None:
-            del os.environ["SLURM_CONF"]
-        else:
-            os.environ["SLURM_CONF"] = saved
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    assert slurm.hostnames("rack[1-2]-n[01-02],login,x[7,9-10]") == [
+        "rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02", "login", "x7", "x9", "x10"]
+    with pytest.raises(ClusterSpecError, match=r"Received: 'a\[7,9-10\]b'.*\(Invalid hostlist"):
+        slurm.hostnames("a[7,9-10]b")
 
 
 def _one_node_slurm():
