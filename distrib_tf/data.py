@@ -356,6 +356,9 @@ def make_dataset_fn(info: DatasetInfo, split: str, *, global_batch_size: int, se
                     "global batch", info.name, split, index, pipelines, local)
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        # Known to be endless, so that a multi-worker strategy does not all-reduce "has
+        # data" across the workers before every step (its partial-batch handling).
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY))
         return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
 
     return dataset_fn

@@ -23,13 +23,13 @@ preemption (`--signal=TERM@120`) and requeues itself when the job exits 75.
 This module imports no TensorFlow.
 """
 
-import argparse
 import json
 import shlex
 import sys
 
 import yaml
 
+from distrib_tf import cli
 from distrib_tf.cluster import ClusterSpec
 
 EXIT_USAGE = 2
@@ -116,30 +116,25 @@ def slurm_script(spec: ClusterSpec, *, command: list[str], job_name: str = "dist
     ])
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"distrib-tf-export: error: {message}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m distrib_tf.export")
-    engines = parser.add_subparsers(dest="engine", required=True, parser_class=_Parser)
-    kube = engines.add_parser("kubernetes")
-    kube.add_argument("--image", required=True)
-    kube.add_argument("--name", default="distrib-tf")
-    kube.add_argument("--port", type=int, default=2222)
-    kube.add_argument("--gpus_per_task", type=int, default=0)
+    parser = cli.Parser(prog="distrib-tf-export", description="Write the job for an existing engine.")
+    engines = parser.add_subparsers(dest="engine", required=True, parser_class=cli.Parser)
+    kube = engines.add_parser("kubernetes", help="an Indexed Job, a headless Service, a volume")
+    kube.add_argument("--image", required=True, help="the container image that holds distrib_tf")
+    kube.add_argument("--name", default="distrib-tf", help="name of the Job and the Service")
+    kube.add_argument("--port", type=int, default=2222, help="every task's gRPC port")
+    kube.add_argument("--gpus_per_task", type=int, default=0, help="nvidia.com/gpu per pod")
     kube.add_argument("--max_restarts", type=int, default=3, help="failed pods retried (backoffLimit)")
     kube.add_argument("--volume_claim", help=f"PersistentVolumeClaim mounted at {RUNS} for --model_dir")
-    slurm = engines.add_parser("slurm")
-    slurm.add_argument("--job_name", default="distrib_tf")
+    slurm = engines.add_parser("slurm", help="an sbatch script with signal and requeue")
+    slurm.add_argument("--job_name", default="distrib_tf", help="sbatch --job-name")
     for engine in (kube, slurm):
-        engine.add_argument("--cluster_spec", required=True)
-        engine.add_argument("--out")
-        engine.add_argument("command", nargs=argparse.REMAINDER)
+        engine.add_argument("--cluster_spec", required=True,
+                            help="a JSON spec or a shipped spec's name: how many tasks of each type")
+        engine.add_argument("--out", help="write there (default: standard output)")
+        engine.add_argument("command", nargs=cli.REMAINDER, help="-- COMMAND ...")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = cli.command_after(args.command)
     try:
         if not command:
             raise ValueError("Missing command. Expected `-- COMMAND ...`, for example "

@@ -35,7 +35,13 @@ tasks then have no network access. Where the kernel refuses a namespace, a warni
 says the job is exposed.
 
 Output is prefixed line by line (`[worker:1] ...`) and, with `--log_dir`, also written
-to one file per task (`worker_1.log`, appended across restarts).
+to one file per task (`worker_1.log`, appended across restarts). TensorFlow's C++ logs
+run at errors only (`TF_CPP_MIN_LOG_LEVEL=2` unless set), without the `cuInit` error of
+every machine without a GPU driver; `--verbose` leaves them at TensorFlow's own level.
+Every task also writes events (JSON lines, `distrib_tf.events`) to a pipe of its own:
+on a terminal they feed one live status line under the output (epoch, step, examples/s,
+ETA, the slowest worker's step time); elsewhere a plain status line every 30 s; with
+`--events=FILE` they are all appended to FILE, the launcher's own included.
 
 Failures: when a task exits non-zero or is killed, the others are stopped (SIGTERM,
 then SIGKILL after `--grace_period`: multi-worker TensorFlow can ignore SIGTERM) and,
@@ -67,6 +73,7 @@ import os
 import shutil
 import sys
 
+from distrib_tf import cli
 from distrib_tf import placement
 from distrib_tf import slurm
 from distrib_tf.cluster import ClusterSpec
@@ -95,7 +102,8 @@ __all__ = [
 
 
 def command_line(cluster_spec: str, command: list[str], *, max_restarts: int = 0,
-                 grace_period: float = 10.0, log_dir: str | None = None) -> list[str]:
+                 grace_period: float = 10.0, log_dir: str | None = None,
+                 events: str | None = None) -> list[str]:
     """The command that runs `command` on every local task of `cluster_spec`. Pure.
 
     Example:
@@ -104,7 +112,8 @@ def command_line(cluster_spec: str, command: list[str], *, max_restarts: int = 0
         ['-m', 'distrib_tf.launch', '--cluster_spec=spec.json']
     """
     options = [f"--cluster_spec={cluster_spec}", f"--max_restarts={max_restarts}",
-               f"--grace_period={grace_period}"] + ([f"--log_dir={log_dir}"] if log_dir else [])
+               f"--grace_period={grace_period}"] + ([f"--log_dir={log_dir}"] if log_dir else []) + (
+                   [f"--events={events}"] if events else [])
     return [sys.executable, "-m", "distrib_tf.launch", *options, "--", *command]
 
 
@@ -115,12 +124,6 @@ def main_job_command(model_dir: str, flags: list[str]) -> list[str]:
 
 # Command line -------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"distrib-tf-launch: error: {message}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-
-
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"Received: {text!r}. Expected an integer >= 1")
@@ -128,27 +131,35 @@ def _positive_int(text: str) -> int:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(
+    parser = cli.Parser(
         prog="distrib-tf-launch", description="Start the tasks of a cluster spec on this host.",
         epilog="Example: distrib-tf-launch --workers=2 -- python my_script.py")
     parser.add_argument("--cluster_spec", help="a JSON spec file, or the name of a shipped spec ("
                         + ", ".join(shipped_specs()) + ")")
     parser.add_argument("--workers", type=_positive_int, metavar="N",
                         help="N local workers on 127.0.0.1, without a spec file")
-    parser.add_argument("--task", help="start only this task, TYPE:INDEX")
+    parser.add_argument("--task", metavar="TYPE:INDEX", help="start only this task")
     parser.add_argument("--task_ordinal", type=int,
                         help="start only the spec's N-th task (chief, workers, evaluator order)")
     parser.add_argument("--slurm", action="store_true",
                         help="inside srun: the cluster and this task come from SLURM_*")
-    parser.add_argument("--max_restarts", type=int, default=0)
-    parser.add_argument("--log_dir")
-    parser.add_argument("--gpus_per_task", type=int, default=0)
-    parser.add_argument("--collective_timeout", type=float)
-    parser.add_argument("--grace_period", type=float, default=10.0)
+    parser.add_argument("--max_restarts", type=int, default=0,
+                        help="restart the whole group this often after a task fails")
+    parser.add_argument("--log_dir", help="also append each task's output to DIR/TYPE_INDEX.log")
+    parser.add_argument("--gpus_per_task", type=int, default=0,
+                        help="GPUs for each local task (0: split the visible GPUs evenly)")
+    parser.add_argument("--collective_timeout", type=float,
+                        help="seconds before a stuck all-reduce fails (default: never)")
+    parser.add_argument("--grace_period", type=float, default=10.0,
+                        help="seconds between SIGTERM and SIGKILL when stopping tasks")
+    parser.add_argument("--events", metavar="FILE",
+                        help="append every task's events (JSON lines, distrib_tf.events) to FILE")
+    parser.add_argument("--verbose", action="store_true",
+                        help="TensorFlow's C++ logs at their own level (default: errors only)")
     parser.add_argument("--no_private", action="store_true",
                         help="for a loopback-only spec, do not isolate the tasks in a private "
                              "network namespace (they are then reachable from the network)")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
+    parser.add_argument("command", nargs=cli.REMAINDER, help="-- COMMAND ...")
     return parser.parse_args(argv)
 
 
@@ -204,7 +215,7 @@ def _refuse_free_ports(spec: ClusterSpec, why: str) -> None:
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """Validates the arguments; raises `ValueError` with one line on bad input."""
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = cli.command_after(args.command)
     if not command:
         raise ValueError("Missing command. Expected `-- COMMAND ...` after the options, "
                          "for example `-- python -m distrib_tf.train`.")
@@ -224,7 +235,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                           gpus_per_task=args.gpus_per_task,
                           collective_timeout=args.collective_timeout,
                           grace_period=args.grace_period, private=not args.no_private,
-                          visible_gpus=tuple(placement.visible_gpus(os.environ)))
+                          visible_gpus=tuple(placement.visible_gpus(os.environ)),
+                          events_path=args.events, verbose=args.verbose)
     for slot in range(len(tasks)):  # Placement errors now, before anything starts.
         task_placement(config, slot, dict(os.environ))
     return config

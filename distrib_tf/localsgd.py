@@ -47,6 +47,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import optimizer as _tf_optimizer
 
 _MODE = "_distrib_tf_gradients"  # On an optimizer: "local", a dtype name, or absent.
+_MARKS = "_distrib_tf_marks"  # On an optimizer: (before, after) host callbacks, or absent.
 
 
 def _install():
@@ -56,10 +57,9 @@ def _install():
         return
     original = owner._all_reduce_sum_gradients  # pylint: disable=protected-access
 
-    @functools.wraps(original)
-    def all_reduce_sum_gradients(self, grads_and_vars):
+    def reduce(self, grads_and_vars):
         mode = getattr(self, _MODE, None)
-        if mode is None or tf.distribute.get_replica_context() is None:
+        if mode is None:
             return original(self, grads_and_vars)
         if mode == "local":  # Undo Keras's division of each replica's loss by the replica count.
             replicas = tf.distribute.get_strategy().num_replicas_in_sync
@@ -70,8 +70,40 @@ def _install():
         return [(None if g is None else tf.cast(g, v.dtype) / tf.cast(factor, v.dtype), v)
                 for g, v in original(self, narrow)]
 
+    @functools.wraps(original)
+    def all_reduce_sum_gradients(self, grads_and_vars):
+        if tf.distribute.get_replica_context() is None:
+            return original(self, grads_and_vars)
+        marks = getattr(self, _MARKS, None)
+        if marks is None:
+            return reduce(self, grads_and_vars)
+        return _marked(reduce(self, _marked(grads_and_vars, marks[0])), marks[1])
+
     all_reduce_sum_gradients.__distrib_tf_original__ = original
     owner._all_reduce_sum_gradients = all_reduce_sum_gradients  # pylint: disable=protected-access
+
+
+def _marked(grads_and_vars, callback):
+    """The same gradients, once `callback` (a host function) has run after all of them."""
+    grads = [g for g, _ in grads_and_vars if g is not None]
+    with tf.control_dependencies(grads):
+        mark = tf.numpy_function(callback, [], tf.float64, stateful=True)
+    with tf.control_dependencies([mark]):
+        return [(None if g is None else tf.identity(g), v) for g, v in grads_and_vars]
+
+
+def mark_all_reduce(optimizer, before, after) -> None:
+    """Calls the host functions `before` and `after` around every gradient all-reduce.
+
+    Each takes no argument and returns a float64 NumPy scalar (`tf.numpy_function`);
+    `None` for both removes them. Used by `distrib_tf.progress` to time the wait.
+    """
+    _install()
+    for each in _inner_optimizers(optimizer):
+        if before is None:
+            each.__dict__.pop(_MARKS, None)
+        else:
+            setattr(each, _MARKS, (before, after))
 
 
 def _inner_optimizers(optimizer):

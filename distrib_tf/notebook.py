@@ -3,7 +3,8 @@
 A notebook kernel cannot easily be one worker among several, so the job runs beside it:
 `start_job()` starts the launcher (`distrib_tf.launch`) on a cluster spec and returns a
 `Job` at once. `Job.wait()` shows live progress in the cell (a table refreshed in place,
-one row per task); `Job.stop()` stops every process of the job. The plot helpers read a
+one row per task, read from the job's event stream) and raises `JobFailed` with the
+launcher's root cause if the job fails; `Job.stop()` stops every process of the job. The plot helpers read a
 `model_dir` (its `summary.json`) and can save each figure as a PNG.
 
 Example:
@@ -19,37 +20,44 @@ This module imports no TensorFlow: the training runs in the job's processes.
 import collections
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
+from distrib_tf import events
 from distrib_tf import launch
 
-_EPOCH_BEGIN = re.compile(r"^Epoch (\d+)/(\d+)$")  # The chief's, at an epoch's start.
-_EPOCH_END = re.compile(r"^(?:\d+/\d+ - |\S+ epoch (\d+)/(\d+) )")  # Chief's bar end; others' line.
-_LINE = re.compile(r"^\[(launcher|[a-z]+:\d+)\] ?(.*)$")
+
+class JobFailed(RuntimeError):
+    """A job that did not succeed; its message is the launcher's root cause."""
 
 
 class Job:
     """A job started by `start_job`: its status, output and progress.
 
+    Progress, process ids, restarts and the root cause of a failure come from the job's
+    event stream (`distrib_tf.events`, the launcher's `--events` file), not its text.
+
     Attributes:
         model_dir: where the job writes its summary, checkpoints and logs.
         command: the launcher command line.
+        events_path: the job's events, one JSON object per line.
     """
 
-    def __init__(self, command: list[str], model_dir: str, env: dict | None = None):
-        self.command, self.model_dir = command, model_dir
+    def __init__(self, command: list[str], model_dir: str, events_path: str, env: dict | None = None):
+        self.command, self.model_dir, self.events_path = command, model_dir, events_path
         self._tails = collections.defaultdict(lambda: collections.deque(maxlen=200))
+        self._follow = events.Follower(events_path)
         self._epochs: dict[str, tuple[int, int]] = {}
         self._pids: dict[str, int] = {}
         self._restarts = 0
-        self._proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}, start_new_session=True)
+        self._root_cause = None
+        self._status_line = ""
+        self._proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env={**os.environ, **(env or {})}, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         self._stopped = False
@@ -58,24 +66,32 @@ class Job:
         return f"Job(status={self.status!r}, model_dir={self.model_dir!r}, epochs={self._epochs})"
 
     def _read(self):
+        """Keeps each task's last lines (for display only: nothing is parsed from them)."""
         for line in self._proc.stdout:
-            match = _LINE.match(line.rstrip("\n"))
-            task, text = match.groups() if match else ("launcher", line.rstrip("\n"))
-            self._tails[task].append(text)
-            if task == "launcher":
-                if started := re.match(r"started (\S+) \(pid (\d+)\)", text):
-                    self._pids[started.group(1)] = int(started.group(2))
-                if "restarting the group" in text:
-                    self._restarts += 1
-            elif begin := _EPOCH_BEGIN.match(text):
-                self._epochs[task] = (int(begin.group(1)) - 1, int(begin.group(2)))
-            elif end := _EPOCH_END.match(text):
-                if end.group(1):
-                    self._epochs[task] = (int(end.group(1)), int(end.group(2)))
-                elif task in self._epochs:
-                    done, total = self._epochs[task]
-                    self._epochs[task] = (min(done + 1, total), total)
+            text = line.rstrip("\n")
+            task, _, rest = text.partition("] ")
+            if text.startswith("[") and rest:
+                self._tails[task[1:]].append(rest)
+            else:
+                self._tails["launcher"].append(text)
         self._proc.stdout.close()
+
+    def _update(self):
+        for event in self._follow():
+            task, kind = event.get("task", "launcher"), event["event"]
+            if kind == "started":
+                self._pids[task] = event["pid"]
+                self._epochs.setdefault(task, (0, 0))
+            elif kind == "train_begin":
+                self._epochs[task] = (self._epochs.get(task, (0, 0))[0], event["epochs"])
+            elif kind == "progress":
+                self._status_line = events.status_line(event)
+            elif kind == "epoch":
+                self._epochs[task] = (event["epoch"], event["epochs"])
+            elif kind == "task_failed" and event.get("restarts_left"):
+                self._restarts += 1
+            elif kind == "job_end":
+                self._root_cause = event.get("root_cause")
 
     @property
     def status(self) -> str:
@@ -89,12 +105,23 @@ class Job:
 
     @property
     def restarts(self) -> int:
+        self._update()
         return self._restarts
 
     @property
     def pids(self) -> dict[str, int]:
         """The process id of each task of the current attempt."""
+        self._update()
         return dict(self._pids)
+
+    @property
+    def root_cause(self) -> str | None:
+        """Why the job failed, in one line: the launcher's account, else its last line."""
+        if self.status != "failed":
+            return None
+        self._reader.join(timeout=5)
+        self._update()
+        return self._root_cause or (self.tail("launcher", 1) or ["no output"])[0]
 
     def tail(self, task: str = "worker:0", lines: int = 10) -> list[str]:
         """The last `lines` lines of a task's output (`launcher` for the launcher's own)."""
@@ -102,7 +129,8 @@ class Job:
 
     def progress(self) -> list[dict]:
         """One row per task: epochs done, of how many, and its last line."""
-        tasks = sorted(t for t in self._tails if t != "launcher")
+        self._update()
+        tasks = sorted(self._epochs)
         return [{"task": t, "epochs": "{}/{}".format(*self._epochs.get(t, (0, 0))),
                  "last line": (self._tails[t][-1] if self._tails[t] else "")[:100]} for t in tasks]
 
@@ -110,9 +138,11 @@ class Job:
         """Waits until `task` has finished `epoch` epochs (or the job ended); says which."""
         deadline = time.monotonic() + timeout
         while self.status == "running" and time.monotonic() < deadline:
+            self._update()
             if self._epochs.get(task, (0, 0))[0] >= epoch:
                 return True
             time.sleep(0.2)
+        self._update()
         return self._epochs.get(task, (0, 0))[0] >= epoch
 
     def kill_task(self, task: str, sig: int = signal.SIGKILL):
@@ -120,7 +150,11 @@ class Job:
         os.kill(self._pids[task], sig)
 
     def wait(self, timeout: float | None = None, *, progress: bool = True, every: float = 1.0) -> dict | None:
-        """Waits for the end; shows a table refreshed in place. Returns the summary, if any."""
+        """Waits for the end; shows a table refreshed in place. Returns the summary, if any.
+
+        Raises:
+            JobFailed: the job failed; the message is its root cause.
+        """
         display = _Display() if progress else None
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.status == "running" and (deadline is None or time.monotonic() < deadline):
@@ -131,6 +165,8 @@ class Job:
             self._reader.join(timeout=5)  # The last lines, then the pipe closes.
         if display:
             display.update(self._render())
+        if self.status == "failed":
+            raise JobFailed(self.root_cause)
         return self.summary()
 
     def stop(self, grace: float = 15.0):
@@ -160,7 +196,8 @@ class Job:
     def _render(self) -> str:
         rows = self.progress()
         width = max([len(r["task"]) for r in rows] + [4])
-        lines = [f"job {self.status}; restarts {self._restarts}; model_dir {self.model_dir}"]
+        lines = [f"job {self.status}; restarts {self._restarts}; model_dir {self.model_dir}",
+                 *([self._status_line] if self._status_line else [])]
         for r in rows:
             done, total = (int(x) for x in r["epochs"].split("/"))
             bar = "#" * round(20 * done / total) if total else ""
@@ -208,8 +245,9 @@ def start_job(cluster_spec: str, *, model_dir: str, train_args: list[str] | None
         The `Job`, at once.
     """
     command = command or launch.main_job_command(model_dir, train_args or [])
+    events_path = os.path.join(tempfile.mkdtemp(prefix="distrib_tf_job_"), "events.jsonl")
     return Job(launch.command_line(cluster_spec, command, max_restarts=max_restarts, grace_period=5,
-                                   log_dir=log_dir), model_dir)
+                                   log_dir=log_dir, events=events_path), model_dir, events_path)
 
 
 # Plots --------------------------------------------------------------------------------

@@ -7,12 +7,14 @@ handlers only record the signal; the loop acts on it. This module imports no Ten
 import collections
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+from distrib_tf import events
 from distrib_tf import isolation
 from distrib_tf import placement
 from distrib_tf import slurm
@@ -22,6 +24,19 @@ from distrib_tf.cluster import Task
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 75, 130
 EXIT_NONFINITE = 65  # The main job's NaN/Inf stop: a restart would resume into it again.
 TAIL_LINES = 20
+# Unless --verbose: TensorFlow's C++ logs at errors only. TensorFlow writes a few INFO
+# lines before its logging reads the level (`port.cc`, `cudart_stub.cc`), absl then says
+# so, and a machine without a GPU driver logs the error `failed call to cuInit` though
+# nothing failed: the launcher drops those lines itself.
+QUIET_LOG_LEVEL = "2"
+_GLOG_INFO_OR_WARNING = re.compile(r"^[IW]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\] ")
+_QUIET_DROPPED = ("] failed call to cuInit: ",
+                  "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR")
+
+
+def is_quieted(line: str) -> bool:
+    """Whether the launcher drops `line` of a task's output unless --verbose. Pure."""
+    return bool(_GLOG_INFO_OR_WARNING.match(line)) or any(text in line for text in _QUIET_DROPPED)
 # TensorFlow's error when its gRPC server cannot listen on its port (taken by another process).
 GRPC_START_FAILURE = "Could not start gRPC server"
 MAX_PORT_RETRIES = 3  # Fresh ports after a port race, not counted as restarts.
@@ -41,6 +56,8 @@ class LaunchConfig:
     grace_period: float = 10.0
     private: bool = True
     visible_gpus: tuple[str, ...] = ()  # What the launcher was given, to share out.
+    events_path: str | None = None  # Append every event there (`distrib_tf.events`).
+    verbose: bool = False  # TensorFlow's C++ logs at its own level, nothing dropped.
 
 
 @dataclasses.dataclass
@@ -48,6 +65,7 @@ class TaskExit:
     task: Task
     returncode: int
     tail: list[str]
+    error: str = ""  # The task's own one-line account, from its `failed` event.
 
     def describe(self) -> str:
         if self.returncode < 0:
@@ -55,6 +73,11 @@ class TaskExit:
         else:
             how = f"exited with code {self.returncode}"
         return f"{self.task} {how}"
+
+    def root_cause(self) -> str:
+        """One line: which task, how it ended, and its error (else its last line)."""
+        last = self.error or next((line for line in reversed(self.tail) if line.strip()), "")
+        return f"{self.describe()}: {last.strip()}" if last else self.describe()
 
 
 @dataclasses.dataclass
@@ -88,47 +111,64 @@ def task_env(config: LaunchConfig, spec: ClusterSpec, task: Task, slot: int,
     env.update(task_placement(config, slot, base_env))
     if config.collective_timeout:
         env["DISTRIB_TF_COLLECTIVE_TIMEOUT"] = str(config.collective_timeout)
+    if not config.verbose:
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", QUIET_LOG_LEVEL)
     return env
 
 
 class _Group:
-    """The running tasks of one attempt, with their output pumps."""
+    """The running tasks of one attempt, with their output and event pumps."""
 
-    def __init__(self, config: LaunchConfig, spec: ClusterSpec, out_lock: threading.Lock):
+    def __init__(self, config: LaunchConfig, spec: ClusterSpec, console: events.Sink, attempt: int):
         self.procs: dict[Task, subprocess.Popen] = {}
         self.tails: dict[Task, collections.deque] = {}
         self.pumps: list[threading.Thread] = []
+        self.console, self.quiet = console, not config.verbose
+        self.errors: dict[Task, str] = {}  # From each task's `failed` event.
         for slot, task in enumerate(config.tasks):
+            read_end, write_end = os.pipe()  # The task's events (`distrib_tf.events`).
             proc = subprocess.Popen(
                 isolation.dying_with_parent(config.command),
-                env=task_env(config, spec, task, slot, dict(os.environ)),
+                env={**task_env(config, spec, task, slot, dict(os.environ)),
+                     events.FD_ENV: str(write_end)},
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                start_new_session=True, pass_fds=(write_end,),
             )
+            os.close(write_end)
             self.procs[task] = proc
             self.tails[task] = collections.deque(maxlen=TAIL_LINES)
             log = None
             if config.log_dir:
                 log = open(os.path.join(config.log_dir, f"{task.type}_{task.index}.log"), "a",
                            encoding="utf-8")
-            pump = threading.Thread(target=self._pump, args=(task, proc, log, out_lock), daemon=True)
+            pump = threading.Thread(target=self._pump, args=(task, proc, log, console), daemon=True)
             pump.start()
-            self.pumps.append(pump)
-            _say(f"started {task} (pid {proc.pid}) at {spec.address(task)}", out_lock)
+            listener = threading.Thread(target=self._listen, args=(task, read_end), daemon=True)
+            listener.start()
+            self.pumps += [pump, listener]
+            _say(f"started {task} (pid {proc.pid}) at {spec.address(task)}", console)
+            console.event(str(task), {"event": "started", "pid": proc.pid, "attempt": attempt})
 
-    def _pump(self, task, proc, log, out_lock):
+    def _pump(self, task, proc, log, console):
         prefix = f"[{task}] "
         for line in iter(proc.stdout.readline, b""):
             text = line.decode("utf-8", "replace").rstrip("\n")
             self.tails[task].append(text)
-            with out_lock:
-                sys.stdout.write(prefix + text + "\n")
-                sys.stdout.flush()
+            if not (self.quiet and is_quieted(text)):
+                console.line(prefix + text)
             if log:
                 log.write(text + "\n")
                 log.flush()
         if log:
             log.close()
+
+    def _listen(self, task, read_end):
+        with open(read_end, encoding="utf-8", errors="replace") as pipe:
+            for line in pipe:
+                if (event := events.parse(line)) is not None:
+                    if event["event"] == "failed":
+                        self.errors[task] = str(event.get("error", ""))
+                    self.console.event(str(task), event)
 
     def first_exit(self) -> TaskExit | None:
         """The first task found failed, else `None`; all done is `returncode` 0."""
@@ -162,6 +202,7 @@ class _Group:
             pump.join(timeout=5)
         if failure is not None:
             failure.tail = list(self.tails[failure.task])
+            failure.error = self.errors.get(failure.task, "")
         return failure
 
 
@@ -172,19 +213,29 @@ def _signal_group(proc: subprocess.Popen, sig: int):
         pass
 
 
-def _say(message: str, out_lock: threading.Lock):
-    with out_lock:
-        sys.stdout.write(f"[launcher] {message}\n")
-        sys.stdout.flush()
+def _say(message: str, console: events.Sink):
+    console.line(f"[launcher] {message}")
 
 
 def run(config: LaunchConfig) -> LaunchResult:
     """Runs the job to success, or until restarts are exhausted or it is interrupted."""
-    out_lock = threading.Lock()
+    console = events.Sink(sys.stdout, path=config.events_path)
+    try:
+        result = _run(config, console)
+        failure = result.first_failure
+        console.event("launcher", {"event": "job_end", "exit_code": result.exit_code,
+                                   "attempts": result.attempts,
+                                   "root_cause": failure.root_cause() if failure else None})
+        return result
+    finally:
+        console.close()
+
+
+def _run(config: LaunchConfig, console: events.Sink) -> LaunchResult:
     if config.log_dir:
         os.makedirs(config.log_dir, exist_ok=True)
     isolation.protect_network(config.spec, config.tasks, config.private,
-                              lambda message: _say(message, out_lock))
+                              lambda message: _say(message, console))
     received: list[int] = []  # Signals, recorded by the handler, acted on by the loop.
 
     def record(signum, frame):
@@ -197,37 +248,37 @@ def run(config: LaunchConfig) -> LaunchResult:
         while True:
             attempt += 1
             spec = config.spec.with_free_ports()
-            group = _Group(config, spec, out_lock)
+            group = _Group(config, spec, console, attempt)
             while (ended := group.first_exit()) is None and not received:
                 time.sleep(0.1)
             if received:
-                return _stop_on_signal(group, received[0], config, attempt, first_failure, out_lock)
+                return _stop_on_signal(group, received[0], config, attempt, first_failure, console)
             if ended.returncode == 0:
                 group.finish(None)
-                _say(f"every task succeeded (attempt {attempt})", out_lock)
+                _say(f"every task succeeded (attempt {attempt})", console)
                 return LaunchResult(EXIT_OK, attempt, first_failure)
             group.stop(config.grace_period)
             failure = group.finish(ended)
             if ended.returncode == EXIT_PREEMPTED:
                 _say(f"{failure.task} was preempted: every worker saved its state; start the "
-                     "job again to resume", out_lock)
+                     "job again to resume", console)
                 return LaunchResult(EXIT_PREEMPTED, attempt, first_failure)
             if received:
                 return _stop_on_signal(group, received[0], config, attempt, first_failure or failure,
-                                       out_lock)
+                                       console)
             taken = _port_taken(config.spec, spec, failure)
             if taken and port_retries < MAX_PORT_RETRIES:
                 port_retries += 1
                 _say(f"{failure.task} could not listen on {taken}: another process took the port "
                      "after the launcher picked it; starting again with fresh ports (not counted "
-                     "as a restart)", out_lock)
+                     "as a restart)", console)
                 continue
             first_failure = first_failure or failure
             if ended.returncode in (EXIT_USAGE, EXIT_NONFINITE):  # It would fail again.
-                _report(failure, attempt, 0, out_lock)
+                _report(failure, attempt, 0, console)
                 return LaunchResult(EXIT_USAGE if ended.returncode == EXIT_USAGE else EXIT_FAILED,
                                     attempt, first_failure)
-            _report(failure, attempt, config.max_restarts - restarts, out_lock)
+            _report(failure, attempt, config.max_restarts - restarts, console)
             if restarts == config.max_restarts:
                 return LaunchResult(EXIT_FAILED, attempt, first_failure)
             restarts += 1
@@ -244,21 +295,24 @@ def _port_taken(requested: ClusterSpec, picked: ClusterSpec, failure: TaskExit) 
     return None
 
 
-def _stop_on_signal(group, signum, config, attempt, first_failure, out_lock) -> LaunchResult:
+def _stop_on_signal(group, signum, config, attempt, first_failure, console) -> LaunchResult:
     """SIGTERM (then SIGKILL) to every task; 75 if the job saved its state on SIGTERM."""
     _say(f"{signal.Signals(signum).name}: stopping every task (SIGTERM: a preemption, "
-         "the main job saves first)", out_lock)
+         "the main job saves first)", console)
     codes = group.stop(config.grace_period)
     group.finish(None)
     if signum == signal.SIGTERM and EXIT_PREEMPTED in codes:
-        _say("preempted: every worker saved its state; start the job again to resume", out_lock)
+        _say("preempted: every worker saved its state; start the job again to resume", console)
         return LaunchResult(EXIT_PREEMPTED, attempt, first_failure)
     return LaunchResult(EXIT_INTERRUPTED, attempt, first_failure)
 
 
-def _report(failure: TaskExit, attempt: int, restarts_left: int, out_lock):
+def _report(failure: TaskExit, attempt: int, restarts_left: int, console):
     next_step = (f"restarting the group ({restarts_left} restart(s) left)" if restarts_left
                  else f"giving up after {attempt} attempt(s)")
+    console.event(str(failure.task), {"event": "task_failed", "attempt": attempt,
+                                      "how": failure.describe(), "root_cause": failure.root_cause(),
+                                      "lines": failure.tail[-10:], "restarts_left": restarts_left})
     lines = "\n".join(f"[launcher]   {line}" for line in failure.tail[-10:])
     _say(f"attempt {attempt}: {failure.describe()} first; {next_step}. Its last lines:\n{lines}",
-         out_lock)
+         console)

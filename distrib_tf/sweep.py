@@ -34,7 +34,6 @@ every trial finished; 1 some failed (and are recorded); 2 bad input; 130 interru
 This module imports no TensorFlow.
 """
 
-import argparse
 import csv
 import dataclasses
 import hashlib
@@ -50,6 +49,8 @@ import subprocess
 import sys
 import time
 
+from distrib_tf import cli
+from distrib_tf import events
 from distrib_tf import launch
 from distrib_tf.cluster import ClusterSpec
 
@@ -200,22 +201,22 @@ def _start(trial: Trial, *, cluster_spec: str, extra: list[str]):
     trial.log = open(os.path.join(trial.model_dir, "trial.log"), "a", encoding="utf-8")
     command = launch.command_line(
         cluster_spec, launch.main_job_command(trial.model_dir, [*extra, *_flags(trial.values)]),
-        grace_period=5)
+        grace_period=5, events=os.path.join(trial.model_dir, "events.jsonl"))
     trial.log.write(f"$ {shlex.join(command)}\n")
     trial.log.flush()
     trial.proc = subprocess.Popen(command, stdout=trial.log, stderr=subprocess.STDOUT,
-                                  start_new_session=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+                                  start_new_session=True)
     trial.started, trial.status = time.monotonic(), "running"
 
 
 def _root_cause(model_dir: str) -> str:
+    """The launcher's root cause from the trial's event stream (`distrib_tf.events`)."""
+    ends = [e for e in events.read(os.path.join(model_dir, "events.jsonl")) if e["event"] == "job_end"]
+    if ends and ends[-1].get("root_cause"):
+        return ends[-1]["root_cause"][:300]
     with open(os.path.join(model_dir, "trial.log"), encoding="utf-8", errors="replace") as f:
-        lines = f.read().splitlines()
-    for pattern in (r"error: (.*)", r"(\w+Error: .*)", r"first failure: (.*)"):
-        for line in reversed(lines):
-            if match := re.search(pattern, line):
-                return match.group(1)[:300]
-    return lines[-1][:300] if lines else "no output"
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "no output"  # Bad input: the launcher's one line.
 
 
 def _finish(trial: Trial):
@@ -342,14 +343,15 @@ def format_table(rows: list[dict], names: list[str], metric: str) -> str:
     return "\n".join(lines)
 
 
-def _tpe_trials(space, *, trials, seed, evaluate):
+def _tpe_trials(space, *, trials, seed, mode, evaluate):
     try:
         import optuna  # pylint: disable=import-outside-toplevel
     except ImportError as e:
         raise ValueError("Invalid value for `--sampler`. Received: 'tpe' without Optuna. "
                          "Expected it installed: pip install 'distrib_tf[sweep]'.") from e
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+    study = optuna.create_study(direction="maximize" if mode == "max" else "minimize",
+                                sampler=optuna.samplers.TPESampler(seed=seed))
     for _ in range(trials):
         ask = study.ask()
         values = {}
@@ -358,30 +360,28 @@ def _tpe_trials(space, *, trials, seed, evaluate):
                 values[d.name] = ask.suggest_float(d.name, d.low, d.high, log=d.log)
             else:
                 values[d.name] = ask.suggest_categorical(d.name, list(d.values))
-        study.tell(ask, evaluate(values))
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"distrib-tf-sweep: error: {message}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+        value = evaluate(values)  # None for a failed trial; 0.0 is a metric like any other.
+        study.tell(ask, value, state=optuna.trial.TrialState.FAIL if value is None else None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="distrib-tf-sweep", description="Sweep the main job's flags.")
-    parser.add_argument("--space", default="")
-    parser.add_argument("--space_file")
-    parser.add_argument("--sampler", default="grid")
-    parser.add_argument("--trials", type=int)
-    parser.add_argument("--cluster_spec", default="local_2workers")
-    parser.add_argument("--sweep_dir", default="runs/sweep")
-    parser.add_argument("--metric", default="val_accuracy")
-    parser.add_argument("--mode", default="max")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = cli.Parser(prog="distrib-tf-sweep", description="Sweep the main job's flags.")
+    parser.add_argument("--space", default="", help="NAME=VALUES items: [a,b], linspace(a,b,n), "
+                        "logspace(a,b,n), uniform(a,b), loguniform(a,b); flags: " + ", ".join(sorted(SWEEPABLE)))
+    parser.add_argument("--space_file", help="the same as a JSON object, merged under --space")
+    parser.add_argument("--sampler", default="grid", help="grid, random or tpe (Optuna's)")
+    parser.add_argument("--trials", type=int, help="how many trials (required for random and tpe; "
+                        "caps the grid; default: the whole grid)")
+    parser.add_argument("--cluster_spec", default="local_2workers",
+                        help="where each trial runs: a local spec file or a shipped spec's name")
+    parser.add_argument("--sweep_dir", default="runs/sweep", help="trials and results go there")
+    parser.add_argument("--metric", default="val_accuracy", help="a metric of the main job's epochs")
+    parser.add_argument("--mode", default="max", help="max or min: whether a larger metric is better")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random and tpe samplers")
     parser.add_argument("--parallel", type=int, help="trials at once (default: what the CPUs allow)")
-    parser.add_argument("extra", nargs=argparse.REMAINDER)
+    parser.add_argument("extra", nargs=cli.REMAINDER, help="-- more flags for every trial's main job")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    extra = cli.command_after(args.extra)
     try:
         data = None
         if args.space_file:
@@ -432,10 +432,10 @@ def main(argv: list[str] | None = None) -> int:
                 trial = trial_for(values)
                 trials.append(trial)
                 run_sweep([trial], cluster_spec=args.cluster_spec, extra=extra, parallel=1, say=say)
-                return _row(trial, args.metric, args.mode)[f"best_{args.metric}"] or float("-inf")
+                return _row(trial, args.metric, args.mode)[f"best_{args.metric}"]
 
             try:
-                _tpe_trials(space, trials=args.trials, seed=args.seed, evaluate=evaluate)
+                _tpe_trials(space, trials=args.trials, seed=args.seed, mode=args.mode, evaluate=evaluate)
             except ValueError as e:
                 print(f"distrib-tf-sweep: error: {e}", file=sys.stderr)
                 return EXIT_USAGE

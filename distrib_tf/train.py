@@ -33,9 +33,11 @@ from distrib_tf import callbacks as callbacks_lib
 from distrib_tf import cluster
 from distrib_tf import data
 from distrib_tf import evaluator
+from distrib_tf import events
 from distrib_tf import localsgd
 from distrib_tf import nonfinite
 from distrib_tf import preemption
+from distrib_tf import progress
 from distrib_tf import serving
 from distrib_tf.config import MIXED_PRECISION
 from distrib_tf.config import MODEL_KINDS
@@ -160,7 +162,9 @@ def run_job(job: Job) -> dict:
         outer_learning_rate=config.outer()[1], outer_momentum=config.outer()[2])]
     callbacks[at:at + 1] = [
         *periodic, nonfinite.StopOnNonFinite(workers=list(job.replica_tasks), steps_per_epoch=job.steps_per_epoch),
-        worker_backup, preemption.SaveOnPreemption(worker_backup)]
+        worker_backup, preemption.SaveOnPreemption(worker_backup),
+        progress.Progress(task=job.task, workers=list(job.replica_tasks), epochs=config.epochs,
+                          steps_per_epoch=job.steps_per_epoch, global_batch_size=config.global_batch_size)]
     verbose = (1 if sys.stdout.isatty() else 2) if job.is_chief else 0
     history, epochs, rollbacks = {}, [], []
     step, last_step = start_step, config.epochs * job.steps_per_epoch
@@ -215,6 +219,8 @@ def run_job(job: Job) -> dict:
     if job.is_chief:
         serving.export_model(model, job.model_dir)
         backup.write_json_atomically(os.path.join(job.model_dir, "summary.json"), summary)
+    events.emit("finished", final=summary["final"],
+                summary=os.path.join(job.model_dir, "summary.json") if job.is_chief else None)
     return summary
 
 
@@ -289,9 +295,10 @@ def config_from_flags() -> TrainConfig:
     })
 
 
-def _fail(message: str):
-    print(f"distrib-tf-train: error: {message}", file=sys.stderr)
-    sys.exit(2)
+def _fail(message: str, code: int = 2):
+    print(f"distrib-tf-train: error: {message}", file=sys.stderr, flush=True)
+    events.emit("failed", error=message)
+    sys.exit(code)
 
 
 def _parse_flags(argv):
@@ -318,13 +325,14 @@ def main(argv):
     except backup.ResumeError as e:
         _fail(str(e))
     except nonfinite.NonFiniteLoss as e:
-        print(f"distrib-tf-train: error: {job.task}: {e} Every worker stopped at this step.",
-              file=sys.stderr, flush=True)
-        sys.exit(nonfinite.EXIT_NONFINITE)
+        _fail(f"{job.task}: {e} Every worker stopped at this step.", nonfinite.EXIT_NONFINITE)
     except preemption.Preempted as e:
         print(f"{job.task} preempted: backed up step {e.step} like every worker; start the job "
               f"again to resume there (exit code {preemption.EXIT_PREEMPTED})", flush=True)
         sys.exit(preemption.EXIT_PREEMPTED)
+    except Exception as e:  # The root cause, for the launcher; then the traceback as usual.
+        events.emit("failed", error=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        raise
     if job.is_chief:
         print(f"final accuracy {summary['final']['accuracy']:.4f} "
               f"(chance {1 / job.info.num_classes:.4f}) on {config.dataset} test; "

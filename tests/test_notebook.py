@@ -5,12 +5,15 @@ import os
 import sys
 import time
 
+import pytest
+
 from distrib_tf import notebook
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 SPEC = os.path.join(ROOT, "cluster_specs", "local_2workers.json")
 SLEEPER = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-           "print('Epoch 1/2', flush=True); time.sleep(120)"]
+           "from distrib_tf import events; events.emit('train_begin', epochs=2, steps=1, workers=2); "
+           "time.sleep(120)"]
 
 
 def _alive(pid):
@@ -24,15 +27,24 @@ def _alive(pid):
 def test_stop_leaves_no_process_behind(tmp_path):
     job = notebook.start_job(SPEC, model_dir=str(tmp_path), command=SLEEPER)
     deadline = time.monotonic() + 30
-    while len(job.pids) < 2 or len(job.progress()) < 2:
-        assert time.monotonic() < deadline, job.tail("launcher")
+    while len(job.pids) < 2 or [row["epochs"] for row in job.progress()] != ["0/2", "0/2"]:
+        assert time.monotonic() < deadline, (job.tail("launcher"), job.progress())
         time.sleep(0.1)
     assert job.status == "running"
-    assert [row["epochs"] for row in job.progress()] == ["0/2", "0/2"]
     pids = list(job.pids.values())
     job.stop(grace=20)
     assert job.status == "stopped"
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_wait_raises_the_launchers_root_cause(tmp_path):
+    job = notebook.start_job(SPEC, model_dir=str(tmp_path), max_restarts=0,
+                             command=[sys.executable, "-c", "import os; os._exit(3)"])
+    with pytest.raises(notebook.JobFailed, match=r"^worker:\d exited with code 3"):
+        job.wait(timeout=60, progress=False)
+    missing = notebook.start_job(str(tmp_path / "nope.json"), model_dir=str(tmp_path), command=["true"])
+    with pytest.raises(notebook.JobFailed, match=r"distrib-tf-launch: error: .*nope\.json"):
+        missing.wait(timeout=60, progress=False)
 
 
 def test_plots_read_a_model_dir(tmp_path):

@@ -1,0 +1,172 @@
+"""Live progress of the job: events for the launcher, every worker's step time, stragglers.
+
+In synchronous training every worker's step lasts as long as the slowest worker's: the
+others wait in the gradient all-reduce. So the wall time of a step says nothing about
+who is slow. `Progress` measures each worker's own time for a step: its wall time minus
+the time it waited in the all-reduce, read from the host clock just before and just
+after it (`distrib_tf.localsgd.mark_all_reduce`). Every `window` steps one small
+all-reduce gives every worker the mean own step time of every worker, which goes
+
+- into the `progress` events (`distrib_tf.events`) that the launcher's status line shows;
+- into the epoch's logs as `step_seconds_<task>` (so into TensorBoard and `summary.json`);
+- into one warning line when a worker's time is above `ratio` times the median of the
+  others' for `patience` windows in a row: a straggler, named once until it recovers.
+
+It also writes the `train_begin` and `epoch` events. Use it as any Keras callback.
+"""
+
+import logging
+import statistics
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from distrib_tf import events
+from distrib_tf import localsgd
+
+logger = logging.getLogger("distrib_tf")
+
+
+def log_key(task: str) -> str:
+    """The epoch-log key of a task's step time: `step_seconds_worker_1`."""
+    return "step_seconds_" + task.replace(":", "_")
+
+
+def stragglers(seconds: dict[str, float], ratio: float) -> dict[str, float]:
+    """The tasks whose time is above `ratio` times the median of the others', with how much. Pure.
+
+    Example:
+
+        >>> stragglers({"worker:0": 0.1, "worker:1": 0.1, "worker:2": 0.31}, 1.5)
+        {'worker:2': 3.1}
+    """
+    slow = {}
+    for task, mine in seconds.items():
+        others = [t for other, t in seconds.items() if other != task]
+        if others and (median := statistics.median(others)) > 0 and mine > ratio * median:
+            slow[task] = mine / median
+    return slow
+
+
+class Progress(keras.callbacks.Callback):
+    """Events, per-worker step times and straggler warnings; see the module's docstring.
+
+    Args:
+        task: this worker, such as `worker:1`.
+        workers: every training task, in the order of their replicas.
+        epochs, steps_per_epoch, global_batch_size: the run's, for the status line.
+        window: steps between two exchanges of the step times.
+        ratio, patience: a straggler is `ratio` times slower for `patience` windows.
+    """
+
+    def __init__(self, *, task: str, workers: list[str], epochs: int, steps_per_epoch: int,
+                 global_batch_size: int, window: int = 10, ratio: float = 1.5, patience: int = 3):
+        super().__init__()
+        self.task, self.workers = task, list(dict.fromkeys(workers))
+        self.epochs, self.steps, self.batch = epochs, steps_per_epoch, global_batch_size
+        self.window, self.ratio, self.patience = window, ratio, patience
+        self.latest: dict[str, float] = {}  # Mean own step time of every worker, last window.
+        self._epoch_times: dict[str, list[float]] = {}
+        self._strikes = dict.fromkeys(self.workers, 0)
+        self._named: set[str] = set()
+        self._own_sum = self._wait = 0.0
+        self._own_count = self._global = 0
+        self._arrived = None
+        self._epoch = self._step = 0
+        self._shown = self._epoch_start = self._begin = 0.0
+
+    # Marks around the all-reduce, called from the step's graph on the host.
+    def _before(self):
+        self._arrived = time.perf_counter()
+        return np.float64(0)
+
+    def _after(self):
+        if self._arrived is not None:
+            self._wait += time.perf_counter() - self._arrived
+            self._arrived = None
+        return np.float64(0)
+
+    def on_train_begin(self, logs=None):
+        strategy = self.model.distribute_strategy
+        if not self.model.jit_compile:  # Host functions cannot run inside XLA.
+            localsgd.mark_all_reduce(self.model.optimizer, self._before, self._after)
+        local_replicas = strategy.num_replicas_in_sync // len(self.workers)
+
+        @tf.function
+        def gathered(row):
+            def replica_fn():  # Each worker's row holds only its own time: the sum is every one.
+                return tf.distribute.get_replica_context().all_reduce("SUM", tf.identity(row))
+            return strategy.run(replica_fn)
+
+        def exchange(own: float) -> dict[str, float]:
+            row = np.zeros(len(self.workers), np.float32)
+            row[self.workers.index(self.task)] = own / local_replicas
+            total = strategy.experimental_local_results(gathered(tf.constant(row)))[0].numpy()
+            return {task: float(t) for task, t in zip(self.workers, total)}
+
+        self._exchange = exchange
+        events.emit("train_begin", epochs=self.epochs, steps=self.steps, workers=len(self.workers))
+
+    def on_train_end(self, logs=None):
+        localsgd.mark_all_reduce(self.model.optimizer, None, None)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch, self._step = epoch, 0
+        self._epoch_start = time.perf_counter()
+        self._epoch_times = {task: [] for task in self.workers}
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._begin, self._wait = time.perf_counter(), 0.0
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = time.perf_counter()
+        self._own_sum += max(now - self._begin - self._wait, 0.0)
+        self._own_count += 1
+        self._step += 1
+        self._global += 1
+        if self._global % self.window == 0:
+            self._exchange_times()
+            self._watch_stragglers()
+        if now - self._shown >= 1.0:
+            self._shown = now
+            rate = self._step / (now - self._epoch_start)  # Steps per second this epoch.
+            left = (self.steps - self._step) + (self.epochs - self._epoch - 1) * self.steps
+            events.emit("progress", epoch=self._epoch + 1, epochs=self.epochs, step=self._step,
+                        steps=self.steps, examples_per_second=rate * self.batch,
+                        eta_seconds=left / rate, worker_step_seconds=self.latest)
+
+    def _exchange_times(self):
+        """Every worker calls it at the same step: a collective."""
+        self.latest = self._exchange(self._own_sum / self._own_count)
+        self._own_sum, self._own_count = 0.0, 0
+        for task, seconds in self.latest.items():
+            self._epoch_times.setdefault(task, []).append(seconds)
+
+    def _watch_stragglers(self):
+        slow = stragglers(self.latest, self.ratio)
+        for task in self.workers:
+            self._strikes[task] = self._strikes[task] + 1 if task in slow else 0
+            if task not in slow:
+                self._named.discard(task)
+            elif self._strikes[task] >= self.patience and task not in self._named:
+                self._named.add(task)
+                others = statistics.median(t for w, t in self.latest.items() if w != task)
+                if self.task == self.workers[0]:  # One line for the job.
+                    logger.warning(
+                        "straggler: %s's steps take %.1fx the median of the other workers' "
+                        "(%.0f ms vs %.0f ms) for the last %d steps", task, slow[task],
+                        1000 * self.latest[task], 1000 * others, self.patience * self.window)
+                events.emit("straggler", straggler=task, ratio=slow[task],
+                            step_seconds=self.latest[task], others_seconds=others)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._own_count and not any(self._epoch_times.values()):  # An epoch under a window.
+            self._exchange_times()
+        if logs is not None:
+            for task, seconds in self._epoch_times.items():
+                if seconds:
+                    logs[log_key(task)] = statistics.median(seconds)
+        events.emit("epoch", epoch=epoch + 1, epochs=self.epochs,
+                    metrics={k: float(v) for k, v in (logs or {}).items()})

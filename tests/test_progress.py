@@ -1,0 +1,135 @@
+"""The event stream, the status line, per-worker step times, stragglers and quiet output."""
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from distrib_tf import events
+from distrib_tf.progress import stragglers
+from distrib_tf.supervise import TaskExit
+from distrib_tf.supervise import is_quieted
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+LAUNCH = [sys.executable, "-m", "distrib_tf.launch"]
+GLOG = re.compile(r"^(\[[a-z]+:\d+\] )?[IWE]\d{4} \d\d:\d\d:\d+\.\d+ ")
+PYTHON_WARNING = re.compile(r"\w+Warning: ")
+
+
+def test_status_line_names_the_slowest_worker():
+    line = events.status_line({"epoch": 1, "epochs": 3, "step": 5, "steps": 10, "examples_per_second": 100.4,
+                               "eta_seconds": 3725, "worker_step_seconds": {"worker:0": 0.2, "worker:1": 0.05}})
+    assert line == "epoch 1/3  step 5/10  100 examples/s  ETA 1:02:05  slowest worker:0 200 ms/step"
+
+
+def test_a_straggler_is_slower_than_the_median_of_the_others():
+    assert stragglers({"worker:0": 0.1, "worker:1": 0.149}, 1.5) == {}
+    assert stragglers({"worker:0": 0.1, "worker:1": 0.16}, 1.5) == {"worker:1": pytest.approx(1.6)}
+    assert set(stragglers({"a": 0.1, "b": 0.1, "c": 0.1, "d": 0.5}, 1.5)) == {"d"}
+    assert stragglers({"worker:0": 0.1}, 1.5) == {}
+
+
+def test_quiet_drops_only_tensorflows_info_warning_and_cuinit_lines():
+    assert is_quieted("I0000 00:00:1796081295.668845       2 port.cc:153] oneDNN custom operations are on.")
+    assert is_quieted("W0000 00:00:1796081021.146351       2 dataset.cc:997] Input of GeneratorDatasetOp")
+    assert is_quieted("E0000 00:00:1796080986.437372       2 cuda_platform.cc:52] failed call to cuInit: INTERNAL")
+    assert not is_quieted("E0000 00:00:1796080986.437372       2 coordination_service.cc:1] The following tasks "
+                          "are unhealthy (stopped sending heartbeats)")
+    assert not is_quieted("Epoch 1/3")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_the_status_line_stays_under_the_output_on_a_terminal(tmp_path):
+    out = _Terminal()
+    sink = events.Sink(out, path=str(tmp_path / "events.jsonl"))
+    sink.event("worker:0", {"event": "progress", "epoch": 1, "epochs": 2, "step": 3, "steps": 9})
+    sink.line("[worker:0] hello")
+    sink.event("worker:1", {"event": "progress", "epoch": 1, "epochs": 2, "step": 2, "steps": 9})  # Not shown.
+    sink.close()
+    assert out.getvalue() == ("\r\x1b[Kepoch 1/2  step 3/9" "\r\x1b[K[worker:0] hello\nepoch 1/2  step 3/9" "\n")
+    assert [(e["task"], e["step"]) for e in events.read(str(tmp_path / "events.jsonl"))] == [
+        ("worker:0", 3), ("worker:1", 2)]
+
+
+def test_a_follower_reads_whole_lines_only(tmp_path):
+    path = tmp_path / "events.jsonl"
+    follow = events.Follower(str(path))
+    assert follow() == []
+    path.write_text('{"event": "a"}\n{"event": "b"')
+    assert [e["event"] for e in follow()] == ["a"]
+    with open(path, "a") as f:
+        f.write('}\nnot json\n')
+    assert [e["event"] for e in follow()] == ["b"]
+
+
+def test_the_root_cause_is_the_tasks_own_error_else_its_last_line():
+    assert TaskExit("worker:1", 1, ["x", "Traceback", "ValueError: bad", ""]).root_cause() == \
+        "worker:1 exited with code 1: ValueError: bad"
+    assert TaskExit("worker:1", -9, [], error="boom").root_cause() == "worker:1 was killed by SIGKILL: boom"
+
+
+@pytest.mark.multiworker
+def test_main_job_is_quiet_and_streams_its_events(tmp_path):
+    """Two workers: no TensorFlow log line or Python warning in what the user sees, and
+    every event in the stream; raw task logs hold no warning or error of TensorFlow but
+    the cuInit one the launcher drops (TensorFlow ran at errors only)."""
+    model_dir, stream = tmp_path / "run", tmp_path / "events.jsonl"
+    result = subprocess.run(
+        [*LAUNCH, "--workers=2", f"--events={stream}", f"--log_dir={tmp_path / 'logs'}", "--",
+         sys.executable, "-m", "distrib_tf.train", "--epochs=2", "--steps_per_epoch=25",
+         f"--model_dir={model_dir}"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    shown = (result.stdout + result.stderr).splitlines()
+    noisy = [line for line in shown if GLOG.match(line) or PYTHON_WARNING.search(line)]
+    assert not noisy, noisy
+    raw = [line for name in ("worker_0.log", "worker_1.log")
+           for line in (tmp_path / "logs" / name).read_text().splitlines()]
+    assert not [line for line in raw if re.match(r"^[WE]\d{4} ", line) and "failed call to cuInit" not in line]
+    assert not [line for line in raw if PYTHON_WARNING.search(line)]
+
+    stream = events.read(str(stream))
+    kinds = [(e["task"], e["event"]) for e in stream]
+    for task in ("worker:0", "worker:1"):
+        for kind in ("started", "train_begin", "progress", "finished"):
+            assert (task, kind) in kinds, (task, kind)
+        assert [e["epoch"] for e in stream if e["task"] == task and e["event"] == "epoch"] == [1, 2]
+    assert kinds[-1] == ("launcher", "job_end") and stream[-1]["exit_code"] == 0
+    times = [e["worker_step_seconds"] for e in stream if e["event"] == "progress" and e["worker_step_seconds"]]
+    assert times and set(times[-1]) == {"worker:0", "worker:1"} and all(t > 0 for t in times[-1].values())
+    epoch = [e for e in stream if e["event"] == "epoch"][-1]["metrics"]
+    assert epoch["val_accuracy"] > 0 and epoch["step_seconds_worker_1"] > 0
+    with open(model_dir / "summary.json") as f:
+        summary = json.load(f)
+    assert all(e["step_seconds_worker_0"] > 0 and e["step_seconds_worker_1"] > 0 for e in summary["epochs"])
+    board = b"".join(p.read_bytes() for p in (model_dir / "logs").rglob("events.out.tfevents*"))
+    assert b"epoch_step_seconds_worker_1" in board
+
+
+@pytest.mark.multiworker
+def test_a_slowed_worker_is_named_a_straggler_once(tmp_path):
+    """worker:1 sleeps 80 ms before every step: its own step time shows it, worker:0's
+    (which waits for it in the all-reduce) does not, and the chief names it once."""
+    stream = tmp_path / "events.jsonl"
+    result = subprocess.run(
+        [*LAUNCH, "--workers=2", f"--events={stream}", "--", sys.executable,
+         os.path.join(ROOT, "tests", "workers", "straggler.py"), f"--out={tmp_path}"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    named = [line for line in result.stdout.splitlines() if "straggler:" in line]
+    assert len(named) == 1 and named[0].startswith("[worker:0] distrib_tf: straggler: worker:1's steps take"), named
+    seen = [json.loads((tmp_path / f"worker_{i}.json").read_text()) for i in (0, 1)]
+    assert seen[0]["latest"] == seen[1]["latest"]  # Exchanged: every worker knows every time.
+    times = seen[0]["history"]
+    assert min(times["step_seconds_worker_1"]) > 0.08 > 2 * max(times["step_seconds_worker_0"])
+    flagged = [e for e in events.read(str(stream)) if e["event"] == "straggler"]
+    assert {e["task"] for e in flagged} == {"worker:0", "worker:1"}
+    assert {e["straggler"] for e in flagged} == {"worker:1"}
