@@ -35,6 +35,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from distrib_tf import events
+
 _NAME = re.compile(r"step-(\d+)\.json$")
 _JOB_CODES = {"chief": 0, "worker": 1}
 _NONE, _OURS, _FOREIGN = 0, 1, 2
@@ -129,6 +131,7 @@ class WorkerBackup(keras.callbacks.Callback):
             os.fsync(f.fileno())
         os.replace(meta_path + ".writing", meta_path)
         self.saved_step = self.step
+        events.emit("backup", step=self.step)
         for old in list_backups(self.directory)[: -self.keep]:
             for path in (_meta_path(self.directory, old["step"]), _weights_path(self.directory, old["step"])):
                 if os.path.exists(path):

@@ -10,6 +10,7 @@ import os
 import time
 
 import keras
+import tensorflow as tf
 
 from distrib_tf import evaluator
 
@@ -66,6 +67,40 @@ class EpochTimer(keras.callbacks.Callback):
         if logs is not None:
             logs["epoch_seconds"] = seconds
             logs["examples_per_second"] = self.examples_per_epoch / seconds
+
+
+class ProfileSteps(keras.callbacks.Callback):
+    """A TensorBoard profile of the run's steps `first` to `last` (1-based) on this worker.
+
+    Every worker profiles its own steps into `log_dir` (`model_dir/logs/<task>/plugins/
+    profile/`, on its own disk): TensorBoard's Profile tab shows one run per worker.
+    """
+
+    def __init__(self, log_dir: str, first: int, last: int):
+        super().__init__()
+        self.log_dir, self.first, self.last = log_dir, first, last
+        self._step, self._active = 0, False
+
+    def on_train_begin(self, logs=None):
+        self._step = int(self.model.optimizer.iterations.numpy())
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._step + 1 == self.first and not self._active:
+            tf.profiler.experimental.start(self.log_dir)
+            self._active = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1
+        if self._active and self._step >= self.last:
+            self._stop()
+
+    def on_train_end(self, logs=None):
+        if self._active:
+            self._stop()
+
+    def _stop(self):
+        tf.profiler.experimental.stop()
+        self._active = False
 
 
 class EpochLine(keras.callbacks.Callback):

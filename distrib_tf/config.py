@@ -49,6 +49,7 @@ class TrainConfig:
     outer_learning_rate: float | None = None
     outer_momentum: float | None = None
     allreduce_dtype: str = "float32"
+    profile_steps: str | None = None
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -92,6 +93,8 @@ class TrainConfig:
                              "takes no learning rate or momentum)")
         if self.allreduce_dtype not in ALLREDUCE_DTYPES:
             invalid_flag("allreduce_dtype", self.allreduce_dtype, f"one of {', '.join(ALLREDUCE_DTYPES)}")
+        if self.profile_steps is not None:
+            self.profile_range()  # Checks its form; the run's length is checked with the data.
         if self.allreduce_dtype != "float32" and self.sync != "step":
             invalid_flag("allreduce_dtype", self.allreduce_dtype, "float32 with periodic --sync, which "
                      "averages weights, not gradients")
@@ -107,6 +110,18 @@ class TrainConfig:
             invalid_flag("sync", self.sync, "step, epoch or every:N with N a positive integer")
         return int(count)
 
+    def profile_range(self, last_step: int | None = None) -> tuple[int, int] | None:
+        """The first and last step to profile (1-based), checked against the run's `last_step`."""
+        if self.profile_steps is None:
+            return None
+        first, _, last = self.profile_steps.partition(",")
+        if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+            invalid_flag("profile_steps", self.profile_steps, "A,B: two steps with 1 <= A <= B")
+        if last_step is not None and int(last) > last_step:
+            invalid_flag("profile_steps", self.profile_steps,
+                         f"steps of this run, which ends at step {last_step} (epochs x steps per epoch)")
+        return int(first), int(last)
+
     def outer(self) -> tuple[str, float, float]:
         """The outer optimizer of periodic sync, its learning rate and momentum."""
         name = self.outer_optimizer or "average"
@@ -119,7 +134,7 @@ class TrainConfig:
         """What a backup must match to be resumed: every field that changes the math."""
         fields = dataclasses.asdict(self)
         for name in ("epochs", "data_dir", "strategy", "cpu_replicas", "collective_timeout",
-                     "backup_every_steps", "on_nan", "max_rollbacks"):
+                     "backup_every_steps", "on_nan", "max_rollbacks", "profile_steps"):
             fields.pop(name)
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -7,14 +7,16 @@ Registered datasets (`DATASETS`):
   of 64 tokens whose class is the most frequent of 4 marker tokens, for the
   transformer);
 - TFDS datasets `mnist`, `fashion_mnist`, `cifar10` and `imdb_reviews`, read from
-  `data_dir` with no download (prepare them beforehand);
+  `data_dir` with no download (prepare them beforehand); each input pipeline reads and
+  decodes only its own part of the split (`tfds.even_splits`);
 - `tfrecord:DIR`: TFRecord shards written by `python -m distrib_tf.data prepare`.
 
 `make_dataset_fn()` returns the function that `strategy.distribute_datasets_from_function`
 calls once per input pipeline with a `tf.distribute.InputContext`: the order of the
 global batches is a function of the seed and the epoch only, and each replica takes its
-slice of every global batch, so results do not depend on the layout. TensorFlow's own
-auto-sharding is switched off.
+slice of every global batch, so results do not depend on the layout (offline and
+TFRecord data, which every pipeline holds whole; TFDS data depends on the number of
+pipelines, see `_tfds_dataset_fn`). TensorFlow's own auto-sharding is switched off.
 
 Example:
 
@@ -171,9 +173,13 @@ def _tfds_info(name: str, data_dir: str | None) -> DatasetInfo:
                        tuple(features["image"].shape), num_examples=num_examples, data_dir=data_dir)
 
 
-def _load_tfds(info: DatasetInfo, split: str) -> tf.data.Dataset:
+def _load_tfds(info: DatasetInfo, split: str, part: tuple[int, int] = (0, 1)) -> tf.data.Dataset:
+    """Part `index` of `count` of a TFDS split, decoded: TFDS reads that part's records only."""
     import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
 
+    index, count = part
+    if count > 1:
+        split = tfds.even_splits(split, n=count, drop_remainder=True)[index]
     try:
         dataset = tfds.load(info.name, split=split, data_dir=info.data_dir, as_supervised=True,
                             download=False, shuffle_files=False)
@@ -333,6 +339,10 @@ def make_dataset_fn(info: DatasetInfo, split: str, *, global_batch_size: int, se
     training = split == "train"
     steps = steps_per_epoch(info, split, global_batch_size)
 
+    if is_tfds(info):
+        return _tfds_dataset_fn(info, split, global_batch_size=global_batch_size, seed=seed,
+                                start_step=start_step)
+
     def dataset_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         replicas = input_context.num_replicas_in_sync
         pipelines, index = input_context.num_input_pipelines, input_context.input_pipeline_id
@@ -365,6 +375,44 @@ def make_dataset_fn(info: DatasetInfo, split: str, *, global_batch_size: int, se
 
 
 _FOREVER = 2**62  # Data epochs: the pipeline never ends; Keras counts the steps.
+
+
+def is_tfds(info: DatasetInfo) -> bool:
+    return info.name not in _OFFLINE and not info.name.startswith("tfrecord:")
+
+
+def _tfds_dataset_fn(info: DatasetInfo, split: str, *, global_batch_size: int, seed: int, start_step: int):
+    """TFDS data: each input pipeline reads and decodes only its own part of the split.
+
+    Pipeline `i` of `P` loads `tfds.even_splits(split, P)[i]` (TFDS reads those records
+    only: P workers decode the data once in all, not P times), shuffles it with
+    `seed` (train only) and gives its replicas one batch each in turn. The global
+    batches then depend on the number of pipelines: results on TFDS data are the same
+    for the same layout, not across layouts (the offline and TFRecord datasets are read
+    whole by every pipeline for that property). Resuming at `start_step` reads the
+    skipped batches again.
+    """
+    training = split == "train"
+    steps = steps_per_epoch(info, split, global_batch_size)
+
+    def dataset_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        pipelines, index = input_context.num_input_pipelines, input_context.input_pipeline_id
+        batch = check_global_batch_size(global_batch_size, input_context.num_replicas_in_sync)
+        local = input_context.num_replicas_in_sync // pipelines
+        dataset = _load_tfds(info, split, (index, pipelines))
+        if training:
+            dataset = dataset.shuffle(min(info.num_examples[split] // pipelines, 10_000), seed=seed,
+                                      reshuffle_each_iteration=True)
+        dataset = dataset.batch(batch, drop_remainder=True).take(steps * local).repeat()
+        logger.info("%s %s: input pipeline %d of %d reads part %d of %d of the split (TFDS) for its "
+                    "%d replica(s)", info.name, split, index, pipelines, index + 1, pipelines, local)
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        dataset = dataset.skip(start_step * local).with_options(options)
+        return dataset.apply(tf.data.experimental.assert_cardinality(
+            tf.data.INFINITE_CARDINALITY)).prefetch(tf.data.AUTOTUNE)
+
+    return dataset_fn
 
 
 def main(argv=None) -> int:

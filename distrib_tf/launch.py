@@ -229,6 +229,9 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if args.collective_timeout is not None and not args.collective_timeout > 0:
         raise ValueError(f"Invalid value for `--collective_timeout`. Received: "
                          f"{args.collective_timeout}. Expected a number of seconds > 0.")
+    if args.events and not os.access(os.path.dirname(os.path.abspath(args.events)), os.W_OK):
+        raise ValueError(f"Invalid value for `--events`. Received: {args.events!r}. Expected a file in "
+                         "an existing directory this user can write to.")
     spec, tasks = _select_tasks(args)
     config = LaunchConfig(spec=spec, tasks=tasks, command=tuple(command),
                           max_restarts=args.max_restarts, log_dir=args.log_dir,

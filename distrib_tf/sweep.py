@@ -12,22 +12,20 @@ the cluster spec, in its own `model_dir` (`SWEEP_DIR/trial-<id>`, the id a hash 
 values). Where the machine has room for several trials at once (more CPUs than one
 trial has local tasks), they run side by side, each on its own free ports.
 
-Search space, one `NAME=VALUES` per flag of the main job:
+The search space (`distrib_tf.sweep_space`): `[a,b]`, `linspace(a,b,n)`,
+`logspace(a,b,n)`, `uniform(a,b)`, `loguniform(a,b)` per flag, or a JSON file.
 
-- `[a,b,c]`: these values (grid or random choice);
-- `linspace(a,b,n)`, `logspace(a,b,n)`: n values from a to b, evenly or on a log scale;
-- `uniform(a,b)`, `loguniform(a,b)`: any value (random and tpe samplers only).
-
-A JSON file says the same: `{"learning_rate": {"loguniform": [1e-4, 1e-2]},
-"global_batch_size": [32, 64]}`. `--sampler=tpe` uses Optuna's TPE sampler
-(`pip install 'distrib_tf[sweep]'`).
-
-Results: `results.csv` and `results.json` (every trial's values, status, final and
-best metric, examples per second, wall time, and for a failed trial its root cause),
-sorted by the metric; `sweep.png` (the metric against each swept value, and the curves
-of the best trials); a table printed at the end. A failed trial is recorded and the
-sweep goes on; running the same sweep again skips finished trials and resumes the
-others from their backups; Ctrl-C stops every trial and leaves no process behind.
+Built on Optuna (`pip install 'distrib_tf[sweep]'`): its grid, random and TPE samplers
+choose the values, and its study in `SWEEP_DIR/study.db` (SQLite) records every trial
+with its best metric (`--mode=max|min`; 0.0 is a metric like any other) or its failure
+(the launcher's root cause, from the trial's event stream, as the trial's `cause`).
+What Optuna does not do is here: each trial is a distributed job; running the same sweep
+again keeps its finished trials, runs its failed or interrupted ones again (resumed
+from their backups) and then new ones up to the budget; Ctrl-C stops every trial and
+leaves no process behind. Results: `results.csv` and `results.json` (values, status,
+final and best metric, examples per second, wall time, root cause), sorted by the
+metric; `sweep.png` (the metric against each swept value, and the curves of the best
+trials); a table printed at the end.
 Bad input prints one line and exits with code 2 before anything starts. Exit codes: 0
 every trial finished; 1 some failed (and are recorded); 2 bad input; 130 interrupted.
 
@@ -37,138 +35,52 @@ This module imports no TensorFlow.
 import csv
 import dataclasses
 import hashlib
-import itertools
 import json
 import math
 import os
-import random
-import re
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from distrib_tf import cli
 from distrib_tf import events
 from distrib_tf import launch
 from distrib_tf.cluster import ClusterSpec
+from distrib_tf.sweep_space import SWEEPABLE
+from distrib_tf.sweep_space import Dimension
+from distrib_tf.sweep_space import grid_size
+from distrib_tf.sweep_space import parse_space
+from distrib_tf.sweep_space import suggest
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-SWEEPABLE = {
-    "learning_rate": float, "global_batch_size": int, "epochs": int, "steps_per_epoch": int,
-    "mixed_precision": str, "seed": int, "model": str, "dataset": str, "cpu_replicas": int,
-}
-_FORM = re.compile(r"^(linspace|logspace|uniform|loguniform)\((.*)\)$")
 
 
-@dataclasses.dataclass(frozen=True)
-class Dimension:
-    """One swept flag: a list of values, or a continuous range."""
-
-    name: str
-    values: tuple = ()
-    low: float | None = None
-    high: float | None = None
-    log: bool = False
-
-    @property
-    def is_range(self) -> bool:
-        return not self.values
-
-
-def _number(text: str, name: str, kind=float):
+def _optuna():
     try:
-        return kind(text)
-    except ValueError as e:
-        raise ValueError(f"Invalid value for `{name}` in the search space. Received: {text!r}. "
-                         f"Expected {'an integer' if kind is int else 'a number'}.") from e
+        import optuna  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+        raise ValueError("Missing Optuna, which sweeps are built on. Expected it installed: "
+                         "pip install 'distrib_tf[sweep]'.") from e
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # The sweep says what each trial did.
+    return optuna
 
 
-def parse_dimension(name: str, spec) -> Dimension:
-    """Parses one flag's values from text (`[..]`, `linspace(..)`, ...) or JSON."""
-    if name not in SWEEPABLE:
-        raise ValueError(f"Invalid flag `{name}` in the search space. Expected one of "
-                         f"{', '.join(sorted(SWEEPABLE))}.")
-    kind = SWEEPABLE[name]
-    if isinstance(spec, dict) and len(spec) == 1:
-        (form, args), = spec.items()
-        spec = f"{form}({','.join(map(str, args))})" if isinstance(args, list) else None
-    if isinstance(spec, list):
-        spec = "[" + ",".join(map(str, spec)) + "]"
-    if not isinstance(spec, str):
-        raise ValueError(f"Invalid value for `{name}` in the search space. Received: {spec!r}. "
-                         "Expected a list, or one of linspace, logspace, uniform, loguniform.")
-    text = spec.strip()
-    if text.startswith("[") and text.endswith("]"):
-        items = [t.strip() for t in text[1:-1].split(",") if t.strip()]
-        if not items:
-            raise ValueError(f"Invalid value for `{name}` in the search space. Received: {text!r}. "
-                             "Expected at least one value, such as [1e-3,3e-3].")
-        return Dimension(name, tuple(kind(i) if kind is str else _number(i, name, kind) for i in items))
-    form = _FORM.match(text)
-    if not form or kind is str:
-        raise ValueError(f"Invalid value for `{name}` in the search space. Received: {text!r}. "
-                         "Expected [a,b,...], linspace(a,b,n), logspace(a,b,n), uniform(a,b) "
-                         "or loguniform(a,b).")
-    args = [a.strip() for a in form.group(2).split(",")]
-    is_grid = form.group(1) in ("linspace", "logspace")
-    if len(args) != (3 if is_grid else 2):
-        raise ValueError(f"Invalid value for `{name}` in the search space. Received: {text!r}. "
-                         f"Expected {form.group(1)}({'a,b,n' if is_grid else 'a,b'}).")
-    low, high = _number(args[0], name), _number(args[1], name)
-    log = form.group(1).startswith("log")
-    if not low < high or (log and low <= 0):
-        raise ValueError(f"Invalid value for `{name}` in the search space. Received: {text!r}. "
-                         f"Expected a < b{' and a > 0 on a log scale' if log else ''}.")
-    if not is_grid:
-        return Dimension(name, low=low, high=high, log=log)
-    count = _number(args[2], name, int)
-    if count < 2:
-        raise ValueError(f"Invalid value for `{name}` in the search space. Received: {text!r}. "
-                         "Expected n >= 2.")
-    points = [math.exp(math.log(low) + i * (math.log(high) - math.log(low)) / (count - 1)) if log
-              else low + i * (high - low) / (count - 1) for i in range(count)]
-    return Dimension(name, tuple(kind(round(p, 12)) if kind is int else p for p in points))
+def open_study(sweep_dir: str, space: list[Dimension], *, sampler: str, seed: int, mode: str):
+    """The sweep's Optuna study, in `sweep_dir/study.db` (SQLite): created, or loaded to resume."""
+    optuna = _optuna()
+    class Grid(optuna.samplers.GridSampler):
+        def after_trial(self, study, trial, state, values):
+            """Never stops the study: the sweep's budget counts the failed trials it retries."""
 
-
-def parse_space(text: str = "", data: dict | None = None) -> list[Dimension]:
-    """The search space from `NAME=VALUES ...` text and/or a JSON object."""
-    dimensions = {}
-    for name, spec in (data or {}).items():
-        dimensions[name] = parse_dimension(name, spec)
-    for item in re.findall(r"(\S+?)=(\[[^\]]*\]|\w+\([^)]*\)|\S+)", text or ""):
-        dimensions[item[0]] = parse_dimension(*item)
-    leftover = re.sub(r"(\S+?)=(\[[^\]]*\]|\w+\([^)]*\)|\S+)", "", text or "").strip()
-    if leftover:
-        raise ValueError(f"Invalid value for `--space`. Received: {leftover!r}. Expected "
-                         "NAME=VALUES items, such as learning_rate=[1e-3,3e-3].")
-    if not dimensions:
-        raise ValueError("Empty search space. Expected --space='NAME=VALUES ...' or --space_file.")
-    return list(dimensions.values())
-
-
-def sample_trials(space: list[Dimension], *, sampler: str, trials: int | None, seed: int) -> list[dict]:
-    """The trials' values: the whole grid (capped at `trials`), or `trials` random draws."""
-    if sampler == "grid":
-        ranges = [d.name for d in space if d.is_range]
-        if ranges:
-            raise ValueError(f"Invalid search space for --sampler=grid: {', '.join(ranges)} "
-                             "is a continuous range. Expected lists or linspace/logspace, or "
-                             "--sampler=random.")
-        grid = [dict(zip([d.name for d in space], values))
-                for values in itertools.product(*(d.values for d in space))]
-        return grid[:trials] if trials else grid
-    rng = random.Random(seed)
-
-    def draw(d: Dimension):
-        if not d.is_range:
-            return rng.choice(d.values)
-        if d.log:
-            return math.exp(rng.uniform(math.log(d.low), math.log(d.high)))
-        return rng.uniform(d.low, d.high)
-
-    return [{d.name: draw(d) for d in space} for _ in range(trials)]
+    samplers = {"grid": lambda: Grid({d.name: list(d.values) for d in space}, seed=seed),
+                "random": lambda: optuna.samplers.RandomSampler(seed=seed),
+                "tpe": lambda: optuna.samplers.TPESampler(seed=seed)}
+    storage = "sqlite:///" + os.path.abspath(os.path.join(sweep_dir, "study.db"))
+    return optuna.create_study(study_name="distrib_tf", storage=storage, load_if_exists=True,
+                               sampler=samplers[sampler](), direction="maximize" if mode == "max" else "minimize")
 
 
 def trial_id(values: dict) -> str:
@@ -179,6 +91,7 @@ def trial_id(values: dict) -> str:
 class Trial:
     values: dict
     model_dir: str
+    asked: object = None  # The Optuna trial, while it runs.
     status: str = "pending"
     cause: str = ""
     summary: dict | None = None
@@ -223,53 +136,100 @@ def _finish(trial: Trial):
     code = trial.proc.wait()
     trial.log.close()
     trial.seconds = time.monotonic() - trial.started
-    summary_path = os.path.join(trial.model_dir, "summary.json")
-    if code == 0 and os.path.exists(summary_path):
-        with open(summary_path, encoding="utf-8") as f:
-            trial.summary = json.load(f)
+    trial.summary = _read_summary(trial.model_dir) if code == 0 else None
+    if trial.summary is not None:
         trial.status = "finished"
     else:
         trial.status, trial.cause = "failed", _root_cause(trial.model_dir)
 
 
-def run_sweep(trials: list[Trial], *, cluster_spec: str, extra: list[str], parallel: int,
-              say=print) -> list[Trial]:
-    """Runs the trials, `parallel` at a time; a finished trial (its summary exists) is skipped."""
-    pending = []
-    for trial in trials:
-        if os.path.exists(os.path.join(trial.model_dir, "summary.json")):
-            with open(os.path.join(trial.model_dir, "summary.json"), encoding="utf-8") as f:
-                trial.summary, trial.status = json.load(f), "finished"
-            say(f"trial {trial.id} {trial.values}: finished before, skipped")
-        else:
-            pending.append(trial)
-    running: list[Trial] = []
-    try:
-        while pending or running:
-            while pending and len(running) < parallel:
-                trial = pending.pop(0)
-                resumed = os.path.isdir(os.path.join(trial.model_dir, "backup"))
-                _start(trial, cluster_spec=cluster_spec, extra=extra)
-                say(f"trial {trial.id} {trial.values}: {'resumed' if resumed else 'started'}")
-                running.append(trial)
-            for trial in [t for t in running if t.proc.poll() is not None]:
-                _finish(trial)
-                running.remove(trial)
-                say(f"trial {trial.id}: {trial.status} in {trial.seconds:.0f} s"
-                    + (f" ({trial.cause})" if trial.cause else ""))
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        for trial in running:
-            os.killpg(trial.proc.pid, signal.SIGINT)  # The launcher stops its tasks.
-        for trial in running:
-            try:
-                trial.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(trial.proc.pid, signal.SIGKILL)
-                trial.proc.wait()
+class _TrialFailed(Exception):
+    """A trial that ended without its metric: Optuna records it as failed."""
+
+
+def run_sweep(study, space: list[Dimension], *, total: int, sweep_dir: str, cluster_spec: str,
+              extra: list[str], parallel: int, metric: str, mode: str, say=print) -> list[Trial]:
+    """Runs `study` up to `total` trials, `parallel` at a time, each a distributed job.
+
+    A study resumed from its storage keeps its finished trials; its failed or interrupted
+    ones run again first (resumed from their backups), then new ones fill the budget.
+    Optuna's `optimize` runs each trial in a thread that waits for its launcher, and is
+    told the trial's best `metric`, or that it failed (the root cause kept as `cause`).
+
+    Raises:
+        KeyboardInterrupt: on Ctrl-C, once every running trial has stopped.
+    """
+    optuna = _optuna()
+    trials, retry = [], []
+    for old in study.get_trials(deepcopy=False):
+        values = {d.name: old.params[d.name] for d in space if d.name in old.params}
+        if old.state == optuna.trial.TrialState.COMPLETE:
+            trial = Trial(values, _trial_dir(sweep_dir, values), status="finished")
+            trial.summary = _read_summary(trial.model_dir)
+            trials.append(trial)
+            say(f"trial {trial.id} {values}: finished before, skipped")
+        elif len(values) == len(space) and values not in retry:  # Failed, or its sweep was killed.
+            retry.append(values)
+    for values in retry:
+        if values not in [t.values for t in trials]:
+            study.enqueue_trial(values)
+    running: dict[int, Trial] = {}
+    lock, stopping = threading.RLock(), threading.Event()
+
+    def objective(asked):
+        values = suggest(asked, space)
+        trial = Trial(values, _trial_dir(sweep_dir, values), asked)
+        resumed = os.path.isdir(os.path.join(trial.model_dir, "backup"))
+        with lock:
+            if stopping.is_set():
+                study.stop()
+                raise _TrialFailed("the sweep was interrupted")
+            _start(trial, cluster_spec=cluster_spec, extra=extra)
+            running[asked.number] = trial
+        say(f"trial {trial.id} {values}: {'resumed' if resumed else 'started'}")
+        trial.proc.wait()
+        with lock:
+            del running[asked.number]
+            _finish(trial)
+            trials.append(trial)
+        if stopping.is_set():
             trial.status = "interrupted"
-        raise
+            study.stop()
+            raise _TrialFailed("the sweep was interrupted")
+        say(f"trial {trial.id}: {trial.status} in {trial.seconds:.0f} s" + (f" ({trial.cause})" if trial.cause else ""))
+        value = _row(trial, metric, mode)[f"best_{metric}"]
+        if trial.status == "finished" and value is not None:  # 0.0 is a metric like any other.
+            return value
+        asked.set_user_attr("cause", trial.cause or f"no {metric} in its summary")
+        raise _TrialFailed(trial.cause)
+
+    def interrupt(signum, frame):
+        stopping.set()
+        with lock:
+            for trial in running.values():
+                os.killpg(trial.proc.pid, signal.SIGINT)  # The launcher stops its tasks.
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        if total > len(trials):
+            study.optimize(objective, n_trials=total - len(trials), n_jobs=parallel, catch=(_TrialFailed,))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if stopping.is_set():
+        raise KeyboardInterrupt
     return trials
+
+
+def _trial_dir(sweep_dir: str, values: dict) -> str:
+    return os.path.join(sweep_dir, f"trial-{trial_id(values)}")
+
+
+def _read_summary(model_dir: str) -> dict | None:
+    path = os.path.join(model_dir, "summary.json")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _row(trial: Trial, metric: str, mode: str) -> dict:
@@ -343,40 +303,19 @@ def format_table(rows: list[dict], names: list[str], metric: str) -> str:
     return "\n".join(lines)
 
 
-def _tpe_trials(space, *, trials, seed, mode, evaluate):
-    try:
-        import optuna  # pylint: disable=import-outside-toplevel
-    except ImportError as e:
-        raise ValueError("Invalid value for `--sampler`. Received: 'tpe' without Optuna. "
-                         "Expected it installed: pip install 'distrib_tf[sweep]'.") from e
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(direction="maximize" if mode == "max" else "minimize",
-                                sampler=optuna.samplers.TPESampler(seed=seed))
-    for _ in range(trials):
-        ask = study.ask()
-        values = {}
-        for d in space:
-            if d.is_range:
-                values[d.name] = ask.suggest_float(d.name, d.low, d.high, log=d.log)
-            else:
-                values[d.name] = ask.suggest_categorical(d.name, list(d.values))
-        value = evaluate(values)  # None for a failed trial; 0.0 is a metric like any other.
-        study.tell(ask, value, state=optuna.trial.TrialState.FAIL if value is None else None)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = cli.Parser(prog="distrib-tf-sweep", description="Sweep the main job's flags.")
     parser.add_argument("--space", default="", help="NAME=VALUES items: [a,b], linspace(a,b,n), "
                         "logspace(a,b,n), uniform(a,b), loguniform(a,b); flags: " + ", ".join(sorted(SWEEPABLE)))
     parser.add_argument("--space_file", help="the same as a JSON object, merged under --space")
-    parser.add_argument("--sampler", default="grid", help="grid, random or tpe (Optuna's)")
+    parser.add_argument("--sampler", default="grid", choices=("grid", "random", "tpe"), help="Optuna's sampler")
     parser.add_argument("--trials", type=int, help="how many trials (required for random and tpe; "
                         "caps the grid; default: the whole grid)")
     parser.add_argument("--cluster_spec", default="local_2workers",
                         help="where each trial runs: a local spec file or a shipped spec's name")
     parser.add_argument("--sweep_dir", default="runs/sweep", help="trials and results go there")
     parser.add_argument("--metric", default="val_accuracy", help="a metric of the main job's epochs")
-    parser.add_argument("--mode", default="max", help="max or min: whether a larger metric is better")
+    parser.add_argument("--mode", default="max", choices=("max", "min"), help="whether a larger metric is better")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random and tpe samplers")
     parser.add_argument("--parallel", type=int, help="trials at once (default: what the CPUs allow)")
     parser.add_argument("extra", nargs=cli.REMAINDER, help="-- more flags for every trial's main job")
@@ -395,53 +334,30 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"Invalid search space in {args.space_file}. Received: "
                                  f"{type(data).__name__}. Expected a JSON object of flag names.")
         space = parse_space(args.space, data)
-        if args.sampler not in ("grid", "random", "tpe"):
-            raise ValueError(f"Invalid value for `--sampler`. Received: {args.sampler!r}. "
-                             "Expected grid, random or tpe.")
         if args.trials is not None and args.trials < 1:
             raise ValueError(f"Invalid value for `--trials`. Received: {args.trials}. Expected an integer >= 1.")
         if args.sampler != "grid" and args.trials is None:
             raise ValueError(f"Missing `--trials` for --sampler={args.sampler}. Expected a budget >= 1.")
-        if args.mode not in ("max", "min"):
-            raise ValueError(f"Invalid value for `--mode`. Received: {args.mode!r}. Expected max or min.")
+        total = min(grid_size(space), args.trials or math.inf) if args.sampler == "grid" else args.trials
         spec = ClusterSpec.load(args.cluster_spec)
         needed = max(len(spec.local_tasks()), 1)
         if not spec.local_tasks():
             raise ValueError(f"No task of {args.cluster_spec} lives on this host. Expected a local spec "
                              "for sweep trials, such as local_2workers.")
-        planned = [] if args.sampler == "tpe" else sample_trials(
-            space, sampler=args.sampler, trials=args.trials, seed=args.seed)
+        _optuna()
     except ValueError as e:  # ClusterSpecError included.
         print(f"distrib-tf-sweep: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     os.makedirs(args.sweep_dir, exist_ok=True)
+    study = open_study(args.sweep_dir, space, sampler=args.sampler, seed=args.seed, mode=args.mode)
     parallel = args.parallel or max(1, (os.cpu_count() or 1) // needed)
-    print(f"sweep: {args.sampler} over {[d.name for d in space]}, "
-          f"{len(planned) if planned else args.trials} trial(s), {parallel} at a time, "
-          f"each on {needed} local task(s) of {args.cluster_spec}", flush=True)
-
-    def trial_for(values):
-        return Trial(values, os.path.join(args.sweep_dir, f"trial-{trial_id(values)}"))
-
-    say = lambda text: print(text, flush=True)  # noqa: E731
+    print(f"sweep: {args.sampler} over {[d.name for d in space]}, {total} trial(s), {parallel} at a "
+          f"time, each on {needed} local task(s) of {args.cluster_spec}; study {args.sweep_dir}/study.db",
+          flush=True)
     try:
-        if args.sampler == "tpe":
-            trials = []
-
-            def evaluate(values):
-                trial = trial_for(values)
-                trials.append(trial)
-                run_sweep([trial], cluster_spec=args.cluster_spec, extra=extra, parallel=1, say=say)
-                return _row(trial, args.metric, args.mode)[f"best_{args.metric}"]
-
-            try:
-                _tpe_trials(space, trials=args.trials, seed=args.seed, mode=args.mode, evaluate=evaluate)
-            except ValueError as e:
-                print(f"distrib-tf-sweep: error: {e}", file=sys.stderr)
-                return EXIT_USAGE
-        else:
-            trials = run_sweep([trial_for(v) for v in planned], cluster_spec=args.cluster_spec,
-                               extra=extra, parallel=parallel, say=say)
+        trials = run_sweep(study, space, total=total, sweep_dir=args.sweep_dir, cluster_spec=args.cluster_spec,
+                           extra=extra, parallel=parallel, metric=args.metric, mode=args.mode,
+                           say=lambda text: print(text, flush=True))
     except KeyboardInterrupt:
         print("sweep: interrupted; every trial stopped. Run the same command to resume.", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -84,6 +84,7 @@ def prepare_job(config: TrainConfig, model_dir: str) -> Job:
                  f"a dataset of {MODEL_KINDS[config.model]}s for --model={config.model}")
     data.check_global_batch_size(config.global_batch_size, strategy.num_replicas_in_sync)
     steps = config.steps_per_epoch or data.steps_per_epoch(info, "train", config.global_batch_size)
+    config.profile_range(last_step=config.epochs * steps)
     validation_steps = data.steps_per_epoch(info, "test", config.global_batch_size)
     tf_config = cluster.load_tf_config()
     multi_worker = strategy_name(strategy) == "MultiWorkerMirroredStrategy"
@@ -165,6 +166,9 @@ def run_job(job: Job) -> dict:
         worker_backup, preemption.SaveOnPreemption(worker_backup),
         progress.Progress(task=job.task, workers=list(job.replica_tasks), epochs=config.epochs,
                           steps_per_epoch=job.steps_per_epoch, global_batch_size=config.global_batch_size)]
+    if config.profile_steps:
+        callbacks.append(callbacks_lib.ProfileSteps(
+            os.path.join(job.model_dir, "logs", job.task.replace(":", "_")), *config.profile_range()))
     verbose = (1 if sys.stdout.isatty() else 2) if job.is_chief else 0
     history, epochs, rollbacks = {}, [], []
     step, last_step = start_step, config.epochs * job.steps_per_epoch
@@ -287,6 +291,8 @@ def define_flags():
     flags.DEFINE_float("outer_momentum", None, "With --outer_optimizer=nesterov.")
     flags.DEFINE_enum("allreduce_dtype", "float32", ["float32", "bfloat16", "float16"],
                       "Type gradients travel in, with --sync=step.")
+    flags.DEFINE_string("profile_steps", None, "A,B: a TensorBoard profile of steps A to B (1-based) on "
+                        "every worker, in model_dir/logs/<task>/.")
 
 
 def config_from_flags() -> TrainConfig:

@@ -62,6 +62,44 @@ def test_tfds_datasets_through_mock_data(name, kind, shape):
         assert 0.0 <= float(tf.reduce_min(x)) and float(tf.reduce_max(x)) <= 1.0
 
 
+class DtfTinyImages(tfds.core.GeneratorBasedBuilder):
+    """A real TFDS dataset prepared offline: example i is an image of value i, label i % 10."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self):
+        features = tfds.features.FeaturesDict({"image": tfds.features.Image(shape=(28, 28, 1)),
+                                               "label": tfds.features.ClassLabel(num_classes=10)})
+        return tfds.core.DatasetInfo(builder=self, supervised_keys=("image", "label"), features=features)
+
+    def _split_generators(self, dl_manager):
+        return {"train": self._generate_examples(0, 96), "test": self._generate_examples(96, 128)}
+
+    def _generate_examples(self, start, stop):
+        for i in range(start, stop):
+            yield i, {"image": np.full((28, 28, 1), i, np.uint8), "label": i % 10}
+
+
+def test_each_tfds_pipeline_reads_only_its_part_of_the_split(tmp_path):
+    """Two input pipelines of a prepared TFDS dataset: disjoint halves, each shuffled, that
+    together are the whole split, every epoch; a third pipeline layout reads thirds."""
+    DtfTinyImages(data_dir=str(tmp_path)).download_and_prepare()
+    info = data.DatasetInfo("dtf_tiny_images", "image", 10, (28, 28, 1),
+                            num_examples={"train": 96, "test": 32}, data_dir=str(tmp_path))
+    dataset_fn = data.make_dataset_fn(info, "train", global_batch_size=12)  # 8 steps an epoch.
+    for pipelines in (2, 3):
+        parts = []
+        for index in range(pipelines):
+            context = tf.distribute.InputContext(pipelines, index, num_replicas_in_sync=pipelines * 2)
+            batches = list(dataset_fn(context).take(2 * 8 * 2))  # 2 epochs x 8 steps x 2 replicas.
+            seen = [int(round(float(x[0, 0, 0]) * 255)) for b, _ in batches for x in b]
+            assert all(b.shape[0] == 12 // (2 * pipelines) for b, _ in batches)
+            epoch_one, epoch_two = seen[:len(seen) // 2], seen[len(seen) // 2:]
+            assert sorted(epoch_one) == sorted(epoch_two) and epoch_one != epoch_two  # Reshuffled.
+            parts.append(set(epoch_one))
+        assert set.union(*parts) == set(range(96)) and sum(map(len, parts)) == 96
+
+
 def test_tfds_not_prepared_names_dataset_dir_and_command(tmp_path):
     with pytest.raises(FileNotFoundError) as error:
         data.load_info("mnist", data_dir=str(tmp_path))

@@ -41,21 +41,48 @@ def test_grid_of_two_worker_trials_with_a_failure_then_a_rerun(tmp_path):
     assert (tmp_path / "sweep.png").stat().st_size > 1000
     assert "| best_val_accuracy |" in first.stdout
 
+    assert "Expected a multiple of the 2 replicas" in failed[0]["cause"]
+    study = sweep.open_study(str(tmp_path), sweep.parse_space("learning_rate=[1e-3,3e-3] global_batch_size=[64,63]"),
+                             sampler="grid", seed=0, mode="max")
+    states = sorted(t.state.name for t in study.trials)
+    assert states == ["COMPLETE", "COMPLETE", "FAIL", "FAIL"]
+    assert all("Expected a multiple" in t.user_attrs["cause"] for t in study.trials if t.state.name == "FAIL")
+    assert study.best_value == rows[0]["best_val_accuracy"]
+
     again = _sweep(*args)
     assert again.stdout.count("finished before, skipped") == 2
     assert again.stdout.count(": started") == 2  # Only the failed ones run again.
+    assert len(json.loads((tmp_path / "results.json").read_text())) == 4
 
 
-def test_space_parsing_and_sampling():
+def _asked(tmp_path, space, sampler, count, seed=0, mode="max"):
+    tmp_path.mkdir(exist_ok=True)
+    study = sweep.open_study(str(tmp_path), space, sampler=sampler, seed=seed, mode=mode)
+    asked = [study.ask() for _ in range(count)]
+    return study, asked, [sweep.suggest(trial, space) for trial in asked]
+
+
+def test_space_parsing_and_optuna_sampling(tmp_path):
     space = sweep.parse_space("learning_rate=logspace(1e-4,1e-2,3) global_batch_size=[32,64]")
     assert [round(v, 6) for v in space[0].values] == [0.0001, 0.001, 0.01]
-    grid = sweep.sample_trials(space, sampler="grid", trials=None, seed=0)
-    assert len(grid) == 6 and grid[0] == {"learning_rate": space[0].values[0], "global_batch_size": 32}
-    assert len(sweep.sample_trials(space, sampler="grid", trials=4, seed=0)) == 4
+    assert sweep.grid_size(space) == 6
+    _, _, grid = _asked(tmp_path / "grid", space, "grid", 6)
+    assert sorted((v["learning_rate"], v["global_batch_size"]) for v in grid) == sorted(
+        (lr, b) for lr in space[0].values for b in (32, 64))  # Every point once.
     ranged = sweep.parse_space(data={"learning_rate": {"loguniform": [1e-4, 1e-2]}, "seed": [1, 2]})
-    draws = sweep.sample_trials(ranged, sampler="random", trials=20, seed=3)
+    _, _, draws = _asked(tmp_path / "a", ranged, "random", 20, seed=3)
     assert all(1e-4 <= d["learning_rate"] <= 1e-2 and d["seed"] in (1, 2) for d in draws)
-    assert draws == sweep.sample_trials(ranged, sampler="random", trials=20, seed=3)
+    assert draws == _asked(tmp_path / "b", ranged, "random", 20, seed=3)[2]
+
+
+def test_min_mode_and_a_zero_metric_reach_optuna(tmp_path):
+    """The study minimizes with --mode=min, and 0.0 is recorded as a value, not a failure."""
+    space = sweep.parse_space("learning_rate=[0.1,0.2]")
+    study, asked, _ = _asked(tmp_path, space, "grid", 2, mode="min")
+    study.tell(asked[0], 0.0)
+    study.tell(asked[1], 0.5)
+    assert study.direction.name == "MINIMIZE" and study.best_value == 0.0
+    assert sweep.open_study(str(tmp_path), space, sampler="grid", seed=0, mode="min").best_value == 0.0
 
 
 @pytest.mark.parametrize("args, message", [
@@ -67,7 +94,8 @@ def test_space_parsing_and_sampling():
     (["--space=learning_rate=loguniform(0,1)", "--sampler=random", "--trials=2"], "a > 0 on a log scale"),
     (["--space=learning_rate=loguniform(1e-4,1e-2)"], "Invalid search space for --sampler=grid"),
     (["--space=learning_rate=[1e-3]", "--trials=0"], "Invalid value for `--trials`. Received: 0."),
-    (["--space=learning_rate=[1e-3]", "--sampler=bayes"], "Invalid value for `--sampler`. Received: 'bayes'."),
+    (["--space=learning_rate=[1e-3]", "--sampler=bayes"], "argument --sampler: invalid choice: 'bayes'"),
+    (["--space=learning_rate=[1e-3]", "--mode=minimum"], "argument --mode: invalid choice: 'minimum'"),
     (["--space=learning_rate=[x]"], "Received: 'x'. Expected a number."),
     (["--space=learning_rate=[1e-3]", "--cluster_spec=/nonexistent.json"],
      "Cannot read cluster spec /nonexistent.json"),
