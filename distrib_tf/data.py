@@ -31,8 +31,9 @@ import logging
 import os
 import sys
 
-import numpy as np
 import tensorflow as tf
+
+from distrib_tf import offline_data as offline
 
 logger = logging.getLogger("distrib_tf")
 
@@ -78,67 +79,15 @@ def check_dataset_name(name: str) -> None:
     )
 
 
-# Offline defaults ---------------------------------------------------------------------
-
-_SHAPES_SIZE = 28
-_SHAPES_SPLITS = {"train": 8192, "test": 2048}
-_TOKENS_SPLITS = {"train": 8192, "test": 2048}
-_TOKENS_LEN = 64
-_TOKENS_VOCAB = 1000
-_TOKENS_MARKERS = (1, 2, 3, 4)
-
-
-def _draw_shape(kind: int, rng: np.random.Generator) -> np.ndarray:
-    """One 28x28 image of shape `kind` (0..9) at a jittered place, with noise."""
-    n = _SHAPES_SIZE
-    yy, xx = np.mgrid[:n, :n].astype(np.float32)
-    cy, cx = rng.uniform(10, 18, size=2)
-    r = rng.uniform(5, 8)
-    dy, dx = yy - cy, xx - cx
-    masks = [
-        np.abs(dy) < 1.5,                                   # horizontal bar
-        np.abs(dx) < 1.5,                                   # vertical bar
-        np.abs(dy - dx) < 1.5,                              # diagonal
-        np.abs(dy + dx) < 1.5,                              # anti-diagonal
-        (np.abs(dy) < 1.5) | (np.abs(dx) < 1.5),            # cross
-        np.abs(np.hypot(dy, dx) - r) < 1.2,                 # ring
-        np.hypot(dy, dx) < r,                               # disc
-        (np.maximum(np.abs(dy), np.abs(dx)) < r)
-        & (np.maximum(np.abs(dy), np.abs(dx)) > r - 2),     # square outline
-        np.maximum(np.abs(dy), np.abs(dx)) < r,             # filled square
-        (dy > -r) & (dy < r) & (np.abs(dx) < (dy + r) / 2), # triangle
-    ]
-    inside = masks[kind] & (np.abs(dy) < r + 3) & (np.abs(dx) < r + 3)
-    image = inside * rng.uniform(0.6, 1.0) + rng.normal(0, 0.25, size=(n, n))
-    return image.astype(np.float32)[..., None]
-
-
-def _make_shapes(split: str) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng({"train": 1, "test": 2}[split])
-    labels = rng.integers(0, 10, size=_SHAPES_SPLITS[split])
-    images = np.stack([_draw_shape(int(k), rng) for k in labels])
-    return images, labels.astype(np.int64)
-
-
-def _make_tokens(split: str) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng({"train": 3, "test": 4}[split])
-    count = _TOKENS_SPLITS[split]
-    tokens = rng.integers(len(_TOKENS_MARKERS) + 1, _TOKENS_VOCAB, size=(count, _TOKENS_LEN))
-    labels = rng.integers(0, len(_TOKENS_MARKERS), size=count)
-    for row, label in enumerate(labels):
-        counts = rng.multinomial(12, [0.25] * len(_TOKENS_MARKERS))
-        counts[label] += 4  # The labelled marker is the most frequent.
-        markers = np.repeat(np.array(_TOKENS_MARKERS), counts)
-        tokens[row, rng.choice(_TOKENS_LEN, size=len(markers), replace=False)] = markers
-    return tokens.astype(np.int32), labels.astype(np.int64)
-
+# Offline defaults (`distrib_tf.offline_data`) ------------------------------------------
 
 _OFFLINE = {
-    "shapes": (_make_shapes, DatasetInfo(
-        "shapes", "image", 10, (_SHAPES_SIZE, _SHAPES_SIZE, 1), num_examples=_SHAPES_SPLITS)),
-    "tokens": (_make_tokens, DatasetInfo(
-        "tokens", "text", len(_TOKENS_MARKERS), (_TOKENS_LEN,), vocab_size=_TOKENS_VOCAB,
-        num_examples=_TOKENS_SPLITS)),
+    "shapes": (offline.make_shapes, DatasetInfo(
+        "shapes", "image", 10, (offline.SHAPES_SIZE, offline.SHAPES_SIZE, 1),
+        num_examples=offline.SHAPES_SPLITS)),
+    "tokens": (offline.make_tokens, DatasetInfo(
+        "tokens", "text", len(offline.TOKENS_MARKERS), (offline.TOKENS_LEN,),
+        vocab_size=offline.TOKENS_VOCAB, num_examples=offline.TOKENS_SPLITS)),
 }
 
 
