@@ -1,9 +1,11 @@
 """The event stream: JSON lines that every task writes and the launcher, notebooks and sweeps read.
 
-A task started by the launcher finds a pipe's file descriptor in `DISTRIB_TF_EVENTS_FD`
-and writes one JSON object per line to it with `emit()`; elsewhere `emit()` does
-nothing. The launcher reads every local task's pipe, shows the job's status line from
-it, and with `--events=FILE` appends every event to FILE with the task that sent it;
+A task started by the launcher finds a pipe in `DISTRIB_TF_EVENTS_FD` (`FD:INODE`: its
+file descriptor, and the pipe's inode so that a process that inherited the variable but
+not the pipe, such as a child a wrapper script started, writes nothing) and writes one
+JSON object per line to it with `emit()`; elsewhere `emit()` does nothing. The
+launcher reads every local task's pipe, shows the job's status line from it, and with
+`--events=FILE` appends every event to FILE with the task that sent it;
 its own events (a task started, failed, the job ended) go there too, as task `launcher`.
 Every event has `event`, `task` and `time` (Unix seconds). The events:
 
@@ -24,31 +26,50 @@ This module imports no TensorFlow.
 
 import json
 import os
+import stat
 import threading
 import time
 
 FD_ENV = "DISTRIB_TF_EVENTS_FD"
 _lock = threading.Lock()
-_stream = None
+_pipe: list[int | None] = []  # Once looked up: the pipe's descriptor, or None.
+
+
+def pipe_name(fd: int) -> str:
+    """The value of `DISTRIB_TF_EVENTS_FD` for the write end `fd` of a pipe."""
+    return f"{fd}:{os.fstat(fd).st_ino}"
+
+
+def _find_pipe() -> int | None:
+    fd, _, inode = os.environ.get(FD_ENV, "").partition(":")
+    try:
+        found = os.fstat(int(fd))
+    except (OSError, ValueError):
+        return None
+    return int(fd) if stat.S_ISFIFO(found.st_mode) and str(found.st_ino) == inode else None
 
 
 def enabled() -> bool:
-    return FD_ENV in os.environ
+    with _lock:
+        if not _pipe:
+            _pipe.append(_find_pipe())
+        return _pipe[0] is not None
 
 
 def emit(event: str, **fields) -> None:
-    """Writes one event to the launcher's pipe, if there is one; never raises for it."""
-    global _stream
+    """Writes one event to the launcher's pipe, if there is one; never raises for it.
+
+    The descriptor is the launcher's, written with `os.write` and never closed here.
+    """
     if not enabled():
         return
-    line = json.dumps({"event": event, "time": time.time(), **fields}, default=float) + "\n"
+    data = (json.dumps({"event": event, "time": time.time(), **fields}, default=float) + "\n").encode()
     with _lock:
         try:
-            if _stream is None:
-                _stream = os.fdopen(int(os.environ[FD_ENV]), "w", buffering=1, encoding="utf-8")
-            _stream.write(line)
-        except (OSError, ValueError):  # The launcher is gone, or the variable is not a pipe.
-            os.environ.pop(FD_ENV, None)
+            while data:
+                data = data[os.write(_pipe[0], data):]
+        except OSError:  # The launcher is gone.
+            _pipe[0] = None
 
 
 def parse(line: str) -> dict | None:

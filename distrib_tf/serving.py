@@ -3,9 +3,8 @@
 The chief writes, under `model_dir`:
 
 - `model.keras`: the whole Keras model (architecture, weights, optimizer state), for
-  `keras.models.load_model` in Python. The main job compiles its model with one metric of
-  its own (`distrib_tf.nonfinite.NonFiniteReplicas`): import `distrib_tf.nonfinite` first,
-  or load with `compile=False` for inference;
+  `load_model()` here, which is `keras.models.load_model` with distrib_tf's own layers
+  (`distrib_tf.models`) and metric (`distrib_tf.nonfinite.NonFiniteReplicas`) registered;
 - `serving/`: a SavedModel with one `serve` endpoint (`model.export`), for TensorFlow
   Serving, `tf.saved_model.load` or TFLite conversion, with no distrib_tf needed.
 
@@ -14,8 +13,7 @@ half-written model.
 
 Example:
 
-    >>> import distrib_tf.nonfinite  # Registers the main job's metric.
-    >>> model = keras.models.load_model("runs/cnn/model.keras")
+    >>> model = distrib_tf.serving.load_model("runs/cnn/model.keras")
     >>> served = tf.saved_model.load("runs/cnn/serving")
     >>> served.serve(images)
 """
@@ -26,6 +24,16 @@ import shutil
 
 KERAS_FILE = "model.keras"
 SAVED_MODEL_DIR = "serving"
+
+
+def load_model(path: str, **kwargs):
+    """`keras.models.load_model(path, **kwargs)` with distrib_tf's layers and metric registered."""
+    import keras  # pylint: disable=import-outside-toplevel
+
+    from distrib_tf import models  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    from distrib_tf import nonfinite  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+
+    return keras.models.load_model(path, **kwargs)
 
 
 def export_model(model, model_dir: str) -> tuple[str, str]:

@@ -130,7 +130,7 @@ class _Group:
             proc = subprocess.Popen(
                 isolation.dying_with_parent(config.command),
                 env={**task_env(config, spec, task, slot, dict(os.environ)),
-                     events.FD_ENV: str(write_end)},
+                     events.FD_ENV: events.pipe_name(write_end)},
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, pass_fds=(write_end,),
             )

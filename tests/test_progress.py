@@ -138,3 +138,34 @@ def test_a_slowed_worker_is_named_a_straggler_once(tmp_path):
     flagged = [e for e in events.read(str(stream)) if e["event"] == "straggler"]
     assert {e["task"] for e in flagged} == {"worker:0", "worker:1"}
     assert {e["straggler"] for e in flagged} == {"worker:1"}
+
+
+def test_events_go_only_to_the_pipe_the_variable_names():
+    """A process that inherited the variable but not the pipe (a wrapper's child), or holds
+    another pipe at that number, writes nothing."""
+    code = "from distrib_tf import events; events.emit('x', n=1); print(events.enabled())"
+    fd = 123
+
+    def run(value, keep):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                              pass_fds=(fd,) if keep else (),
+                              env={**os.environ, "PYTHONPATH": ROOT, events.FD_ENV: value}).stdout.split()
+
+    def pipe_at_fd():
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, fd)
+        os.close(write_end)
+        return read_end
+
+    read_end = pipe_at_fd()
+    name = events.pipe_name(fd)
+    assert run(name, keep=True) == ["True"]
+    os.close(fd)
+    with os.fdopen(read_end) as pipe:
+        assert [json.loads(line)["n"] for line in pipe] == [1]
+    read_end = pipe_at_fd()  # Another pipe at that number: its inode differs.
+    assert run(name, keep=True) == ["False"]
+    assert run(events.pipe_name(fd), keep=False) == ["False"]
+    os.close(fd)
+    with os.fdopen(read_end) as pipe:
+        assert pipe.read() == ""  # Nothing came through it.

@@ -11,12 +11,10 @@ import json
 import os
 import sys
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from distrib_tf import data
-from distrib_tf import nonfinite  # noqa: F401  Registers the main job's metric.
 from distrib_tf import serving
 
 model_dir = sys.argv[1]
@@ -24,7 +22,7 @@ with open(os.path.join(model_dir, "summary.json")) as f:
     summary = json.load(f)
 source = data.load_source(data.load_info(summary["config"]["dataset"]), "test").batch(100_000)
 x, y = (t.numpy() for t in next(iter(source)))
-model = keras.models.load_model(os.path.join(model_dir, "model.keras"))
+model = serving.load_model(os.path.join(model_dir, "model.keras"))
 served = tf.saved_model.load(os.path.join(model_dir, "serving"))
 through_keras = model.predict(x, verbose=0)
 through_serving = np.concatenate([served.serve(x[i:i + 256]).numpy() for i in range(0, len(x), 256)])
