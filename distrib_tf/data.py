@@ -366,19 +366,18 @@ def _tfds_dataset_fn(info: DatasetInfo, split: str, *, global_batch_size: int, s
 
 def main(argv=None) -> int:
     """`python -m distrib_tf.data prepare --dataset=NAME --out=DIR [--num_shards=N] [--data_dir=DIR]`."""
-    import argparse  # pylint: disable=import-outside-toplevel
-
     import distrib_tf  # pylint: disable=import-outside-toplevel
+    from distrib_tf import cli  # pylint: disable=import-outside-toplevel
 
     distrib_tf.log_to_stderr()
 
-    parser = argparse.ArgumentParser(prog="python -m distrib_tf.data")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = cli.Parser(prog="python -m distrib_tf.data", description="Prepare datasets.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=cli.Parser)
     prepare = commands.add_parser("prepare", help="write a dataset as TFRecord shards")
-    prepare.add_argument("--dataset", required=True)
-    prepare.add_argument("--out", required=True)
-    prepare.add_argument("--num_shards", type=int, default=8)
-    prepare.add_argument("--data_dir", default=None)
+    prepare.add_argument("--dataset", required=True, help="a registered dataset: " + ", ".join(DATASETS))
+    prepare.add_argument("--out", required=True, help="the directory to write the shards and dataset.json to")
+    prepare.add_argument("--num_shards", type=int, default=8, help="files per split")
+    prepare.add_argument("--data_dir", default=None, help="where a TFDS dataset was prepared")
     args = parser.parse_args(argv)
     try:
         info = write_tfrecords(args.dataset, args.out, num_shards=args.num_shards, data_dir=args.data_dir)
