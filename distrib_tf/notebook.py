@@ -4,8 +4,9 @@ A notebook kernel cannot easily be one worker among several, so the job runs bes
 `start_job()` starts the launcher (`distrib_tf.launch`) on a cluster spec and returns a
 `Job` at once. `Job.wait()` shows live progress in the cell (a table refreshed in place,
 one row per task, read from the job's event stream) and raises `JobFailed` with the
-launcher's root cause if the job fails; `Job.stop()` stops every process of the job. The plot helpers read a
-`model_dir` (its `summary.json`) and can save each figure as a PNG.
+launcher's root cause if the job fails; `Job.stop()` stops every process of the job.
+The plot helpers read a `model_dir` (its `summary.json`) and can save each figure as a
+PNG.
 
 Example:
 

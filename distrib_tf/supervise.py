@@ -24,6 +24,9 @@ from distrib_tf.cluster import Task
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 75, 130
 EXIT_NONFINITE = 65  # The main job's NaN/Inf stop: a restart would resume into it again.
 TAIL_LINES = 20
+# TensorFlow's error when its gRPC server cannot listen on its port (taken by another process).
+GRPC_START_FAILURE = "Could not start gRPC server"
+MAX_PORT_RETRIES = 3  # Fresh ports after a port race, not counted as restarts.
 # Unless --verbose: TensorFlow's C++ logs at errors only. TensorFlow writes a few INFO
 # lines before its logging reads the level (`port.cc`, `cudart_stub.cc`), absl then says
 # so, and a machine without a GPU driver logs the error `failed call to cuInit` though
@@ -37,9 +40,6 @@ _QUIET_DROPPED = ("] failed call to cuInit: ",
 def is_quieted(line: str) -> bool:
     """Whether the launcher drops `line` of a task's output unless --verbose. Pure."""
     return bool(_GLOG_INFO_OR_WARNING.match(line)) or any(text in line for text in _QUIET_DROPPED)
-# TensorFlow's error when its gRPC server cannot listen on its port (taken by another process).
-GRPC_START_FAILURE = "Could not start gRPC server"
-MAX_PORT_RETRIES = 3  # Fresh ports after a port race, not counted as restarts.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -337,7 +337,8 @@ def main(argv):
               f"again to resume there (exit code {preemption.EXIT_PREEMPTED})", flush=True)
         sys.exit(preemption.EXIT_PREEMPTED)
     except Exception as e:  # The root cause, for the launcher; then the traceback as usual.
-        events.emit("failed", error=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        first_line = next(iter(str(e).strip().splitlines()), "")
+        events.emit("failed", error=f"{type(e).__name__}: {first_line}")
         raise
     if job.is_chief:
         print(f"final accuracy {summary['final']['accuracy']:.4f} "
