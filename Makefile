@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-fast test-compat soak bench bench-scaling bench-sync lint clean
+.PHONY: install train test test-fast test-compat soak bench bench-layout bench-scaling bench-sync lint clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ soak: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+# How far apart layouts end, in float32 and float64 (benchmarks/layout_gap.py).
+bench-layout: $(STAMP)
+	$(PY) benchmarks/layout_gap.py
 
 # As root: two simulated hosts, a shaped link, pinned cores (benchmarks/scaling.py).
 bench-scaling: $(STAMP)

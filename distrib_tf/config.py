@@ -38,6 +38,7 @@ class TrainConfig:
     strategy: str = "auto"
     cpu_replicas: int | None = None
     mixed_precision: str = "off"
+    float64: bool = False
     seed: int = 0
     steps_per_epoch: int | None = None
     collective_timeout: float | None = None
@@ -50,6 +51,11 @@ class TrainConfig:
     outer_momentum: float | None = None
     allreduce_dtype: str = "float32"
     profile_steps: str | None = None
+
+    @property
+    def dtype_policy(self) -> str:
+        """The Keras dtype policy the job's model is built with."""
+        return "float64" if self.float64 else MIXED_PRECISION[self.mixed_precision]
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -67,6 +73,8 @@ class TrainConfig:
             invalid_flag("collective_timeout", self.collective_timeout, "a number of seconds > 0")
         if self.mixed_precision not in MIXED_PRECISION:
             invalid_flag("mixed_precision", self.mixed_precision, f"one of {', '.join(MIXED_PRECISION)}")
+        if self.float64 and self.mixed_precision != "off":
+            invalid_flag("mixed_precision", self.mixed_precision, "off with --float64")
         if self.on_nan not in ON_NAN:
             invalid_flag("on_nan", self.on_nan, f"one of {', '.join(ON_NAN)}")
         if isinstance(self.max_rollbacks, bool) or not isinstance(self.max_rollbacks, int) or self.max_rollbacks < 0:

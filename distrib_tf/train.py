@@ -39,7 +39,6 @@ from distrib_tf import nonfinite
 from distrib_tf import preemption
 from distrib_tf import progress
 from distrib_tf import serving
-from distrib_tf.config import MIXED_PRECISION
 from distrib_tf.config import MODEL_KINDS
 from distrib_tf.config import MODELS
 from distrib_tf.config import TrainConfig
@@ -130,7 +129,7 @@ def run_job(job: Job) -> dict:
     config, strategy, info = job.config, job.strategy, job.info
     started = time.time()
     keras.utils.set_random_seed(config.seed)
-    keras.mixed_precision.set_global_policy(MIXED_PRECISION[config.mixed_precision])
+    keras.mixed_precision.set_global_policy(config.dtype_policy)
 
     def distributed(split, start_step=0):
         return strategy.distribute_datasets_from_function(data.make_dataset_fn(
@@ -274,6 +273,8 @@ def define_flags():
     flags.DEFINE_string("strategy", "auto", "auto, one_device, mirrored or multi_worker.")
     flags.DEFINE_integer("cpu_replicas", None, "Split the CPU into this many replicas.")
     flags.DEFINE_string("mixed_precision", "off", "off, bfloat16 or float16.")
+    flags.DEFINE_boolean("float64", False, "Train in float64 (slow): to tell arithmetic from a bug, e.g. "
+                         "that results do not depend on the layout beyond float32 rounding.")
     flags.DEFINE_integer("seed", 0, "Random seed.")
     flags.DEFINE_integer("steps_per_epoch", None, "Steps per epoch (default: one pass).")
     flags.DEFINE_float("collective_timeout", None, "Seconds before a stuck all-reduce fails.")

@@ -27,5 +27,6 @@ def build_cnn(*, input_shape: tuple[int, ...], num_classes: int, width: int = 32
             x = keras.layers.MaxPooling2D()(x)
     x = keras.layers.GlobalAveragePooling2D()(x)
     x = keras.layers.Dense(2 * width, activation="relu")(x)
-    outputs = keras.layers.Dense(num_classes, dtype="float32")(x)  # Float32 logits under mixed precision.
+    # Logits in the variables' type: float32 under mixed precision, float64 in float64.
+    outputs = keras.layers.Dense(num_classes, dtype=keras.config.dtype_policy().variable_dtype)(x)
     return keras.Model(inputs, outputs, name="cnn")

@@ -57,5 +57,6 @@ def build_transformer(
     for _ in range(depth):
         x = _encoder_block(x, width=width, heads=heads, mlp_dim=mlp_dim)
     x = keras.layers.GlobalAveragePooling1D()(x)
-    outputs = keras.layers.Dense(num_classes, dtype="float32")(x)
+    # Logits in the variables' type: float32 under mixed precision, float64 in float64.
+    outputs = keras.layers.Dense(num_classes, dtype=keras.config.dtype_policy().variable_dtype)(x)
     return keras.Model(ids, outputs, name="transformer")
