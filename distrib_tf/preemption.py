@@ -2,10 +2,9 @@
 
 Clusters take machines back with a SIGTERM first (Slurm before a preemption or the end of
 a time limit, Kubernetes before an eviction). `install_sigterm_handler()` makes SIGTERM
-only record that it came. After every training step, `SaveOnPreemption` sums that flag
-over every replica (one 4-byte all-reduce per step, in a `tf.function` traced once): when
-any worker was told,
-all of them back up the same step and raise `Preempted`. The main job then exits with
+only record that it came. `SaveOnPreemption` then has every worker agree on the next
+step through the coordination service, back it up and raise `Preempted`; between
+preemptions it costs nothing but a flag read per step. The main job then exits with
 `EXIT_PREEMPTED` (75), which the launcher forwards; started again, the job resumes at
 that step (`distrib_tf.backup`): no step is lost.
 
@@ -17,9 +16,11 @@ Example, for a Keras user's own `fit`:
 """
 
 import signal
+import threading
 
 import keras
 import tensorflow as tf
+from tensorflow.python.eager import context  # The coordination service's key-value store.
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the state is saved; start the job again to resume.
 
@@ -50,29 +51,76 @@ def request() -> None:
 
 
 class SaveOnPreemption(keras.callbacks.Callback):
-    """After every step, agrees with every worker whether to save and stop.
+    """Saves and stops every worker at one step once any of them received SIGTERM.
+
+    No collective per step: the first worker told names the step after the one it has
+    finished in the coordination service's key-value store and waits until every worker
+    has read it (a thread on each blocks on the key). Workers that all-reduce at every
+    step (gradients, or Keras's metrics under periodic sync) are never a step apart, so
+    none can have passed it. TensorFlow's `PreemptionCheckpointHandler` agrees the same
+    way. In one process the flag alone decides.
 
     Args:
         worker_backup: the `distrib_tf.backup.WorkerBackup` of this worker, which
             must come before this callback in `fit`'s list (it counts the steps).
+        ack_timeout: seconds to wait for the other workers to read the step.
     """
 
-    def __init__(self, worker_backup):
+    def __init__(self, worker_backup, *, ack_timeout: float = 120.0):
         super().__init__()
-        self.worker_backup = worker_backup
+        self.worker_backup, self.ack_timeout = worker_backup, ack_timeout
+        self._fits = 0
 
     def on_train_begin(self, logs=None):
-        strategy = self.model.distribute_strategy
+        self._fits += 1  # A key per fit: the main job fits again after a rollback.
+        self._key, self._target, self._named = f"distrib_tf/preempt/{self._fits}", None, False
+        resolver = getattr(self.model.distribute_strategy, "cluster_resolver", None)
+        spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+        self._tasks = [f"{kind}:{i}" for kind in ("chief", "worker") for i in range(len(spec.get(kind, ())))]
+        if len(self._tasks) > 1:
+            self._me = f"{resolver.task_type}:{resolver.task_id}"
+            threading.Thread(target=self._watch, name="distrib_tf-preemption", daemon=True).start()
 
-        @tf.function
-        def told(flag):
-            def replica_fn():  # The flag, read on this replica's device, summed over all.
-                return tf.distribute.get_replica_context().all_reduce("SUM", tf.identity(flag))
-            return strategy.run(replica_fn)
-
-        self._told = lambda flag: strategy.experimental_local_results(told(tf.constant(flag)))[0]
+    def _watch(self):
+        value = context.context().get_config_key_value(self._key)  # Blocks until set.
+        if value != _NONE:
+            self._target = int(value)
+        context.context().set_config_key_value(f"{self._key}/read/{self._me}", "1")
 
     def on_train_batch_end(self, batch, logs=None):
-        if float(self._told(float(_requested))) > 0:
+        step = self.worker_backup.step
+        if _requested and not self._named:
+            self._named = True
+            if len(self._tasks) <= 1 or not self._name_step(step + 1):
+                self._target = step  # One process, or the other workers are gone: this step.
+        if self._target is not None and step >= self._target:
             self.worker_backup.save()
-            raise Preempted(self.worker_backup.step)
+            raise Preempted(step)
+
+    def _name_step(self, target: int) -> bool:
+        """Names `target` unless another worker named one first; False if a worker never read it."""
+        if not _set_once(self._key, str(target)):
+            return True  # Another worker's step: this one's thread reads it.
+        try:
+            for task in self._tasks:  # Every worker knows the step before this one goes on.
+                context.context().get_config_key_value(f"{self._key}/read/{task}",
+                                                       timeout_in_ms=int(self.ack_timeout * 1000))
+        except tf.errors.OpError:
+            return False
+        return True
+
+    def on_train_end(self, logs=None):
+        if len(self._tasks) > 1:
+            _set_once(self._key, _NONE)  # Ends the watching threads of this fit.
+
+
+_NONE = "none"
+
+
+def _set_once(key: str, value: str) -> bool:
+    """Sets `key` unless set already (another worker named the step first)."""
+    try:
+        context.context().set_config_key_value(key, value)
+        return True
+    except tf.errors.AlreadyExistsError:
+        return False
