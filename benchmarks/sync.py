@@ -1,9 +1,9 @@
 """`make bench-sync`: communicating less on slow links, to a target test accuracy.
 
-    python benchmarks/sync.py [--tiny] [--epochs=3] [--links=1g,100m] [--out=DIR]     # as root
+    python benchmarks/sync.py [--tiny] [--epochs=3] [--links=1g,100m,10m] [--out=DIR]     # as root
 
 The harness of `scaling.py`: two simulated hosts, a `tbf`-shaped veth link (1 Gbit/s,
-then 100 Mbit/s), each worker pinned to a core of its own. For each model, link and
+100 Mbit/s, 10 Mbit/s), each worker pinned to a core of its own. For each model, link and
 setting (`--sync=step`, `every:8`, `every:64`, `epoch`, the last three also with DiLoCo's
 Nesterov outer step, and `step` with a bfloat16 all-reduce), one run of the main job on
 the two workers (global batch 64, full epochs):
@@ -14,8 +14,9 @@ the two workers (global batch 64, full epochs):
 - bytes each host sent over the link during the run (the veth's own counters: every
   all-reduce, metric and control message included).
 
-Writes `sync.json` and `sync.png`. One run per cell: the spread of this machine's runs is
-in `scaling.json` and `results.json`.
+Writes `sync.json` and `sync.png`; the links of a run replace theirs in an existing
+`sync.json` of the same epochs and keep the others, each with the date it was measured.
+One run per cell: the spread of this machine's runs is in `scaling.json` and `results.json`.
 """
 
 import argparse
@@ -41,6 +42,8 @@ from scaling import shape  # noqa: E402
 from scaling import two_hosts  # noqa: E402
 
 TARGETS = {"cnn": 0.98, "transformer": 0.75}
+LINKS = {**LINKS, "10 Mbit/s": ("10mbit", "32kbit", 10e6)}
+LINK_NAMES = {"1g": "1 Gbit/s", "100m": "100 Mbit/s", "10m": "10 Mbit/s"}
 SETTINGS = {
     "step": [],
     "step, bfloat16 all-reduce": ["--allreduce_dtype=bfloat16"],
@@ -85,56 +88,72 @@ def plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
-    cells = [(model, link) for model in results["models"] for link in results["models"][model]]
-    fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 4), squeeze=False)
-    for ax, (model, link) in zip(axes[0], cells):
-        rows = results["models"][model][link]
-        names = list(rows)
-        seconds = [rows[n]["seconds_to_target"] or 0 for n in names]
-        bars = ax.barh(names, seconds, color=["C0" if rows[n]["seconds_to_target"] else "lightgray" for n in names])
-        for bar, name in zip(bars, names):
-            label = f"{rows[name]['bytes_sent_per_worker'] / 1e6:.0f} MB" + (
-                "" if rows[name]["seconds_to_target"] else ", not reached")
-            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + label, va="center", fontsize=7)
-        ax.set(title=f"{model}, {link}: s to {TARGETS[model]}", xlabel="seconds (gray: target not reached)")
-        ax.invert_yaxis()
+    models = list(results["models"])
+    columns = max(len(results["models"][model]) for model in models)
+    fig, axes = plt.subplots(len(models), columns, figsize=(4.5 * columns, 3.5 * len(models)), squeeze=False)
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for row, model in enumerate(models):
+        for ax, link in zip(axes[row], results["models"][model]):
+            ax.set_visible(True)
+            _bars(ax, model, link, results["models"][model][link])
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def _bars(ax, model, link, rows):
+    names = list(rows)
+    seconds = [rows[n]["seconds_to_target"] or 0 for n in names]
+    bars = ax.barh(names, seconds, color=["C0" if rows[n]["seconds_to_target"] else "lightgray" for n in names])
+    for bar, name in zip(bars, names):
+        label = f"{rows[name]['bytes_sent_per_worker'] / 1e6:.0f} MB" + (
+            "" if rows[name]["seconds_to_target"] else ", not reached")
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + label, va="center", fontsize=7)
+    ax.set(title=f"{model}, {link}: s to {TARGETS[model]}", xlabel="seconds (gray: target not reached)")
+    ax.invert_yaxis()
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--links", default="1g,100m", help="which shaped links: 1g, 100m or both")
+    parser.add_argument("--links", default="1g,100m,10m", help="shaped links, comma-separated: 1g, 100m, 10m")
     parser.add_argument("--out", default=HERE)
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("benchmarks/sync.py: cannot run here: it needs root (network namespaces); see scaling.py")
-    names = {"1g": "1 Gbit/s", "100m": "100 Mbit/s"}
     chosen = ["100m"] if args.tiny else args.links.split(",")
-    if not set(chosen) <= set(names):
-        sys.exit(f"benchmarks/sync.py: error: --links={args.links}: expected 1g, 100m or 1g,100m")
-    links = {names[k]: LINKS[names[k]] for k in chosen}
+    if not chosen or not set(chosen) <= set(LINK_NAMES):
+        sys.exit(f"benchmarks/sync.py: error: --links={args.links}: expected some of {','.join(LINK_NAMES)}")
+    links = {LINK_NAMES[k]: LINKS[LINK_NAMES[k]] for k in chosen}
     settings = {k: SETTINGS[k] for k in (["step", "every:8"] if args.tiny else SETTINGS)}
     epochs, steps = (1, 10) if args.tiny else (args.epochs, None)
+    out = os.path.join(args.out, "sync.json")
+    results = {"epochs": epochs, "targets": TARGETS, "models": {}, "links": {}}
+    if os.path.exists(out):
+        with open(out) as f:
+            earlier = json.load(f)
+        if earlier.get("epochs") == epochs and "links" in earlier:  # Keep the links not rerun.
+            results = earlier
     started = time.time()
-    results = {"environment": environment(), "epochs": epochs, "targets": TARGETS, "models": {}}
     with tempfile.TemporaryDirectory() as scratch, two_hosts():
-        for model in ("cnn", "transformer"):
-            for link, (rate, burst, _) in links.items():
-                shape(rate, burst)
-                rows = results["models"].setdefault(model, {}).setdefault(link, {})
+        for link, (rate, burst, _) in links.items():
+            shape(rate, burst)
+            link_started = time.time()
+            for model in ("cnn", "transformer"):
+                rows = results["models"].setdefault(model, {})[link] = {}
                 for name, flags in settings.items():
                     rows[name] = run(scratch, model, flags, epochs=epochs, steps=steps,
                                      tag=f"{model}_{rate}_{len(rows)}")
                     print(f"{model}, {link}, {name}: {rows[name]}", flush=True)
-    results["seconds"] = time.time() - started
+            results["links"][link] = {"environment": environment(), "seconds": time.time() - link_started}
+    for model, rows in results["models"].items():  # Fastest link first.
+        results["models"][model] = dict(sorted(rows.items(), key=lambda item: -LINKS[item[0]][2]))
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "sync.json"), "w") as f:
+    with open(out, "w") as f:
         json.dump(results, f, indent=1)
     plot(results, os.path.join(args.out, "sync.png"))
-    print(f"wrote {os.path.join(args.out, 'sync.json')} in {results['seconds']:.0f} s")
+    print(f"wrote {out} in {time.time() - started:.0f} s")
 
 
 if __name__ == "__main__":
