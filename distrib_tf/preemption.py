@@ -79,13 +79,15 @@ class SaveOnPreemption(keras.callbacks.Callback):
         self._tasks = [f"{kind}:{i}" for kind in ("chief", "worker") for i in range(len(spec.get(kind, ())))]
         if len(self._tasks) > 1:
             self._me = f"{resolver.task_type}:{resolver.task_id}"
-            threading.Thread(target=self._watch, name="distrib_tf-preemption", daemon=True).start()
+            threading.Thread(target=self._watch, args=(self._key,), name="distrib_tf-preemption",
+                             daemon=True).start()
 
-    def _watch(self):
-        value = context.context().get_config_key_value(self._key)  # Blocks until set.
-        if value != _NONE:
+    def _watch(self, key: str):
+        """Reads this fit's step once named (its own key: a later fit has another)."""
+        value = context.context().get_config_key_value(key)  # Blocks until set.
+        if value != _NONE and key == self._key:
             self._target = int(value)
-        context.context().set_config_key_value(f"{self._key}/read/{self._me}", "1")
+        context.context().set_config_key_value(f"{key}/read/{self._me}", "1")
 
     def on_train_batch_end(self, batch, logs=None):
         step = self.worker_backup.step
