@@ -8,7 +8,9 @@ import argparse
 import json
 import os
 import signal
+import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -119,15 +121,25 @@ def main():
             if args.delete_backup and task == "worker:0":
                 time.sleep(3)
 
+    released_by = []  # The thread that let go of each validation iterator, as it happened.
+
+    class RecordReleases(keras.callbacks.Callback):
+        def on_test_end(self, logs=None):
+            iterator = getattr(self.model, "_eval_epoch_iterator", None)  # Only inside fit.
+            if iterator is not None and iterator._current_iterator is not None:
+                weakref.finalize(iterator._current_iterator,
+                                 lambda: released_by.append(threading.current_thread().name))
+
     callbacks = [
         RecordEpochs(),
+        RecordReleases(),
         ChiefDeletesLast(),
         keras.callbacks.BackupAndRestore(os.path.join(shared, "backup"), delete_checkpoint=args.delete_backup),
         keras.callbacks.ModelCheckpoint(os.path.join(shared, "checkpoints", "epoch{epoch}.weights.h5"),
                                         save_weights_only=True),
         keras.callbacks.TensorBoard(os.path.join(shared, "logs")),
     ]
-    history = model.fit(dataset, epochs=args.epochs, callbacks=callbacks, verbose=0)
+    history = model.fit(dataset, validation_data=dataset, epochs=args.epochs, callbacks=callbacks, verbose=0)
     evaluation = model.evaluate(dataset, return_dict=True, verbose=0)
     predictions = model.predict(tf.data.Dataset.from_tensor_slices(x[:10]).batch(4), verbose=0)
 
@@ -144,6 +156,7 @@ def main():
             "tensorboard_dir": getattr(callbacks[-1], "_distrib_tf_scratch", None) or callbacks[-1].log_dir,
             "replicas": strategy.num_replicas_in_sync,
             "epochs_run": epochs_run,
+            "validation_iterators_released_by": released_by,
             "saved": saved,
             "history": history.history,
             "evaluate": evaluation,
