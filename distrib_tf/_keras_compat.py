@@ -32,11 +32,12 @@ Keras 3 (tested: `TESTED_KERAS`) on TensorFlow breaks under
    dense gradient first, which is Adam's definition, on every layout.
 8. `fit` validates every epoch through one `TFEpochIterator`, whose `reset` drops the
    previous epoch's dataset iterator on the main thread. Under `tf.distribute` that
-   iterator feeds each replica through a per-device pipeline whose destructor waits for
-   its tf.data autotuning thread, asleep for a period that doubles as the iterator
-   ages: up to about 4 s per epoch on 2 workers whose epochs take 6 s (the main job's
-   CNN), during which the other workers wait at validation's first collective.
-   Fixed by dropping the old iterator on a thread of its own; nothing else changes.
+   iterator feeds each replica through a per-device tf.data pipeline, whose destructor
+   joins the pipeline's thread (in a debugger: `RootDataset::Iterator`'s destructor,
+   joining while tf.data's autotuning thread sleeps). It took up to about 4 s per epoch
+   on 2 workers whose epochs take 6 s (the main job's CNN), while the other workers
+   waited at validation's first collective. Fixed by dropping the old iterator on a
+   thread of its own, which the process waits for at exit; nothing else changes.
 
 Each fix changes behaviour only in the case it names and otherwise calls the original.
 `apply()` installs them once per process; `make_strategy()` calls it for every
@@ -230,4 +231,6 @@ def _reset_off_the_main_thread(original, self):
     held = [self._current_iterator]  # pylint: disable=protected-access
     original(self)  # Keras lets go of it here; the list then holds the last reference.
     if held[0] is not None:
-        threading.Thread(target=held.clear, name=RELEASE_THREAD, daemon=True).start()
+        # Not a daemon: Python waits for it at exit. A daemon thread still inside the
+        # destructor when the interpreter shuts down aborts the process.
+        threading.Thread(target=held.clear, name=RELEASE_THREAD).start()
