@@ -20,10 +20,11 @@ import subprocess
 import sys
 import tempfile
 
-import h5py
-import numpy as np
-
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))  # The layout test's own checkpoint readers.
+from cluster_runner import checkpoint_arrays  # noqa: E402
+from cluster_runner import weights_difference  # noqa: E402
+
 RUNS = {  # name: (flags, extra environment)
     "1 replica": (["--strategy=one_device"], {}),
     "1 replica, oneDNN off": (["--strategy=one_device"], {"TF_ENABLE_ONEDNN_OPTS": "0"}),
@@ -32,20 +33,12 @@ RUNS = {  # name: (flags, extra environment)
 }
 
 
-def final_weights(model_dir: pathlib.Path) -> np.ndarray:
-    arrays = []
-    with h5py.File(model_dir / "checkpoints" / "epoch002.weights.h5", "r") as f:
-        f.visititems(lambda name, item: arrays.append(np.array(item, np.float64).ravel())
-                     if isinstance(item, h5py.Dataset) and not name.startswith("optimizer") else None)
-    return np.concatenate(arrays)
-
-
-def run(model: str, flags: list[str], env: dict, model_dir: pathlib.Path) -> np.ndarray:
+def run(model: str, flags: list[str], env: dict, model_dir: pathlib.Path) -> dict:
     argv = [sys.executable, "-m", "distrib_tf.train", f"--model={model}", "--epochs=2",
             "--steps_per_epoch=6", "--global_batch_size=64", f"--model_dir={model_dir}", *flags]
     subprocess.run(argv, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env}, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
-    return final_weights(model_dir)
+    return checkpoint_arrays(model_dir / "checkpoints" / "epoch002.weights.h5")
 
 
 def main(argv=None) -> int:
@@ -61,7 +54,7 @@ def main(argv=None) -> int:
                 weights = {name: run(model, [*flags, *extra], env, pathlib.Path(scratch) / f"{model}{precision}{i}")
                            for i, (name, (flags, env)) in enumerate(RUNS.items())}
                 for a, b in itertools.combinations(weights, 2):
-                    distance = float(np.linalg.norm(weights[a] - weights[b]) / np.linalg.norm(weights[b]))
+                    distance = weights_difference(weights[a], weights[b])
                     results.append({"model": model, "precision": precision, "a": a, "b": b,
                                     "relative_distance": distance})
                     print(f"{model:11s} {precision}  {a:22s} vs {b:22s} {distance:.1e}", flush=True)
