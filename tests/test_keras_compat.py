@@ -143,7 +143,7 @@ DEAD_PEER = "The following tasks are unhealthy (stopped sending heartbeats):\n/j
      {"worker:1": READ_ONLY_WRITE.format("backup"),
       "worker:0": re.escape(DEAD_PEER)}),
     ("backup_and_restore_end", [*READ_ONLY, "--delete_backup"],
-     {"worker:1": r"OSError: \[Errno 30\] Read-only file system: 'latest.weights.h5'"}),
+     {"worker:1": r"OSError: \[Errno 30\] Read-only file system: '(latest\.weights\.h5|training_metadata\.json)'"}),
     ("tensorboard", READ_ONLY,
      {"worker:1": r"PermissionDeniedError: \{\{function_node __wrapped__CreateSummaryFileWriter\S*\}\} "
                   r"\S*/shared/logs\S*; Read-only file system",

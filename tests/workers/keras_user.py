@@ -114,12 +114,30 @@ def main():
         make_shared_read_only(shared)
     with open(os.path.join(args.out, f"{task.replace(':', '_')}_sum.json"), "w") as f:
         json.dump(reduce_sum_across_workers(strategy, tf), f)
+
+    def backup_end_marker(other_task):
+        return os.path.join(args.out, f"{other_task.replace(':', '_')}_backup_end")
+
     class ChiefDeletesLast(keras.callbacks.Callback):
-        """With --delete_backup, the chief deletes the backup 3 s after the others try to."""
+        """With --delete_backup, the chief deletes the backup once the others have tried to."""
 
         def on_train_end(self, logs=None):
-            if args.delete_backup and task == "worker:0":
-                time.sleep(3)
+            if not (args.delete_backup and task == "worker:0"):
+                return
+            others = [f"worker:{i}" for i in range(1, resolver.cluster_spec().num_tasks("worker"))]
+            deadline = time.monotonic() + 60  # A worker that died before its train end.
+            while time.monotonic() < deadline and not all(os.path.exists(backup_end_marker(t)) for t in others):
+                time.sleep(0.1)
+
+    class MarkedBackupAndRestore(keras.callbacks.BackupAndRestore):
+        """Marks, outside `shared/`, that this task's train end is over, failed or not."""
+
+        def on_train_end(self, logs=None):
+            try:
+                super().on_train_end(logs)
+            finally:
+                with open(backup_end_marker(task), "w"):
+                    pass
 
     released_by = []  # The thread that let go of each validation iterator, as it happened.
 
@@ -134,7 +152,7 @@ def main():
         RecordEpochs(),
         RecordReleases(),
         ChiefDeletesLast(),
-        keras.callbacks.BackupAndRestore(os.path.join(shared, "backup"), delete_checkpoint=args.delete_backup),
+        MarkedBackupAndRestore(os.path.join(shared, "backup"), delete_checkpoint=args.delete_backup),
         keras.callbacks.ModelCheckpoint(os.path.join(shared, "checkpoints", "epoch{epoch}.weights.h5"),
                                         save_weights_only=True),
         keras.callbacks.TensorBoard(os.path.join(shared, "logs")),
