@@ -115,19 +115,28 @@ def main():
     with open(os.path.join(args.out, f"{task.replace(':', '_')}_sum.json"), "w") as f:
         json.dump(reduce_sum_across_workers(strategy, tf), f)
 
-    def backup_end_marker(other_task):
-        return os.path.join(args.out, f"{other_task.replace(':', '_')}_backup_end")
+    def marker(of_task, what):
+        return os.path.join(args.out, f"{of_task.replace(':', '_')}_{what}")
+
+    def wait_for(paths):
+        deadline = time.monotonic() + 60  # A task that died before its train end.
+        while time.monotonic() < deadline and not all(os.path.exists(p) for p in paths):
+            time.sleep(0.1)
 
     class ChiefDeletesLast(keras.callbacks.Callback):
-        """With --delete_backup, the chief deletes the backup once the others have tried to."""
+        """With --delete_backup, at train end the others try to delete the backup once the
+        chief has saved its last one, and the chief deletes it once they have tried."""
 
         def on_train_end(self, logs=None):
-            if not (args.delete_backup and task == "worker:0"):
+            if not args.delete_backup:
                 return
-            others = [f"worker:{i}" for i in range(1, resolver.cluster_spec().num_tasks("worker"))]
-            deadline = time.monotonic() + 60  # A worker that died before its train end.
-            while time.monotonic() < deadline and not all(os.path.exists(backup_end_marker(t)) for t in others):
-                time.sleep(0.1)
+            with open(marker(task, "train_end"), "w"):  # The chief's: its backups are saved.
+                pass
+            if task == "worker:0":
+                workers = resolver.cluster_spec().num_tasks("worker")
+                wait_for([marker(f"worker:{i}", "backup_end") for i in range(1, workers)])
+            else:
+                wait_for([marker("worker:0", "train_end")])
 
     class MarkedBackupAndRestore(keras.callbacks.BackupAndRestore):
         """Marks, outside `shared/`, that this task's train end is over, failed or not."""
@@ -136,7 +145,7 @@ def main():
             try:
                 super().on_train_end(logs)
             finally:
-                with open(backup_end_marker(task), "w"):
+                with open(marker(task, "backup_end"), "w"):
                     pass
 
     released_by = []  # The thread that let go of each validation iterator, as it happened.
