@@ -167,7 +167,8 @@ def run_job(job: Job) -> dict:
                           steps_per_epoch=job.steps_per_epoch, global_batch_size=config.global_batch_size)]
     if config.profile_steps:
         callbacks.append(callbacks_lib.ProfileSteps(
-            os.path.join(job.model_dir, "logs", job.task.replace(":", "_")), *config.profile_range()))
+            os.path.join(job.model_dir, "logs", job.task.replace(":", "_")), *config.profile_range(),
+            workers=len(job.replica_tasks)))
     verbose = (1 if sys.stdout.isatty() else 2) if job.is_chief else 0
     history, epochs, rollbacks = {}, [], []
     step, last_step = start_step, config.epochs * job.steps_per_epoch
