@@ -86,7 +86,7 @@ class ProfileSteps(keras.callbacks.Callback):
 
     def __init__(self, log_dir: str, first: int, last: int, workers: int = 1):
         super().__init__()
-        self.log_dir, self.first, self.last, self.workers = log_dir, first, last, workers
+        self.log_dir, self.first, self.last = log_dir, first, last
         self._step, self._active = 0, False
         if workers > 1:
             logger.warning("--profile_steps with %d workers: TensorFlow's host tracer can crash "
