@@ -48,6 +48,7 @@ bench-sync: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check distrib_tf tests benchmarks
+	$(VENV)/bin/lint-imports --no-logo
 
 clean:
 	rm -rf $(VENV) .compat build *.egg-info

@@ -23,15 +23,15 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
 import keras  # noqa: E402
 
-from distrib_tf import _keras_compat  # noqa: E402
 from distrib_tf import data  # noqa: E402
-from distrib_tf.callbacks import EpochTimer  # noqa: E402
+from distrib_tf.keras import compat  # noqa: E402
+from distrib_tf.keras.callbacks import EpochTimer  # noqa: E402
 from distrib_tf.models import build_model  # noqa: E402
 
 
 def main():
     model_name, epochs, steps, global_batch, out = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]
-    _keras_compat.apply()
+    compat.apply()
     keras.utils.set_random_seed(0)
     info = data.load_info("shapes" if model_name == "cnn" else "tokens")
     dataset = strategy.distribute_datasets_from_function(

@@ -32,8 +32,8 @@ __all__ = [
 _LAZY = {
     "make_strategy": "distrib_tf.strategy",
     "describe_strategy": "distrib_tf.strategy",
-    "TrainConfig": "distrib_tf.train",
-    "train_and_evaluate": "distrib_tf.train",
+    "TrainConfig": "distrib_tf.train.config",
+    "train_and_evaluate": "distrib_tf.train.job",
 }
 
 # A library leaves handlers to the application; the CLIs call `log_to_stderr()`.

@@ -31,6 +31,9 @@ from collections.abc import Mapping
 from typing import Any
 
 JOB_TYPES = ("chief", "worker", "evaluator")
+# The kinds of strategy `distrib_tf.make_strategy` builds for a cluster (TensorFlow-free here,
+# so that configs are checked without it).
+STRATEGY_KINDS = ("auto", "one_device", "mirrored", "multi_worker")
 _PS_HINT = (
     "Parameter-server training is out of scope for distrib_tf: use `chief` and "
     "`worker` tasks with a multi-worker strategy."

@@ -8,7 +8,7 @@ Which strategy `make_strategy()` builds, by precedence:
 3. more than one visible GPU, or `cpu_replicas > 1`: `MirroredStrategy`;
 4. otherwise `OneDeviceStrategy` on the first GPU, else the CPU.
 
-The Keras 3 fixes of `distrib_tf._keras_compat` are applied, so `model.fit`, `evaluate` and `predict` work
+The Keras 3 fixes of `distrib_tf.keras.compat` are applied, so `model.fit`, `evaluate` and `predict` work
 under it. `TF_CONFIG` is validated first: a wrong one is a one-line `ClusterSpecError`,
 never a TensorFlow hang.
 
@@ -23,9 +23,9 @@ import os
 import tensorflow as tf
 from tensorflow.python.eager import context as _context
 
-from distrib_tf import _keras_compat
 from distrib_tf import cluster
-from distrib_tf.config import KINDS
+from distrib_tf.cluster import STRATEGY_KINDS as KINDS
+from distrib_tf.keras import compat
 
 logger = logging.getLogger("distrib_tf")
 
@@ -149,7 +149,7 @@ def make_strategy(
         strategy = _make_mirrored(options)
     else:
         strategy = _make_one_device()
-    _keras_compat.apply()
+    compat.apply()
     logger.info(describe_strategy(strategy))
     return strategy
 

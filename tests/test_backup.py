@@ -6,7 +6,7 @@ import keras
 import numpy as np
 import pytest
 
-from distrib_tf import backup
+from distrib_tf.keras import backup
 
 
 class KilledWhileWriting(Exception):

@@ -57,7 +57,7 @@ def test_bad_spec_through_the_launcher_and_export(tmp_path, case):
     spec.write_text(case["text"])
     for args, prog in (
         (["distrib_tf.launch", f"--cluster_spec={spec}", "--", "true"], "distrib-tf-launch"),
-        (["distrib_tf.export", "slurm", f"--cluster_spec={spec}", "--", "true"], "distrib-tf-export"),
+        (["distrib_tf.deploy", "slurm", f"--cluster_spec={spec}", "--", "true"], "distrib-tf-export"),
     ):
         result = _run(args, timeout=30)
         assert re.search(case["error"], _one_error_line(result, prog))

@@ -8,6 +8,7 @@ import sys
 import pytest
 import yaml
 
+from distrib_tf import exit_codes
 from distrib_tf import launch
 from distrib_tf.cluster import ClusterSpec
 
@@ -16,7 +17,7 @@ SPEC = os.path.join(ROOT, "cluster_specs", "local_chief_2workers.json")
 
 
 def _export(*args):
-    return subprocess.run([sys.executable, "-m", "distrib_tf.export", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "distrib_tf.deploy", *args], capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=30)
 
 
@@ -80,8 +81,8 @@ def test_kubernetes_manifests_validate_against_the_api_schema(claim):
     job = documents[-1]["spec"]
     assert job["backoffLimit"] == 5
     rules = {rule["action"]: rule for rule in job["podFailurePolicy"]["rules"] if "onExitCodes" in rule}
-    assert rules["Ignore"]["onExitCodes"]["values"] == [launch.EXIT_PREEMPTED]
-    assert rules["FailJob"]["onExitCodes"]["values"] == [launch.EXIT_USAGE, launch.EXIT_NONFINITE]
+    assert rules["Ignore"]["onExitCodes"]["values"] == [exit_codes.PREEMPTED]
+    assert rules["FailJob"]["onExitCodes"]["values"] == [exit_codes.USAGE, exit_codes.NONFINITE]
     volumes = {v["name"]: v for v in job["template"]["spec"]["volumes"]}
     if claim:
         assert volumes["runs"]["persistentVolumeClaim"]["claimName"] == claim
@@ -92,6 +93,6 @@ def test_kubernetes_manifests_validate_against_the_api_schema(claim):
 def test_slurm_script_asks_for_the_signal_and_requeues_on_preemption():
     result = _export("slurm", f"--cluster_spec={SPEC}", "--", "python", "-m", "distrib_tf.train")
     assert "#SBATCH --signal=TERM@120" in result.stdout and "#SBATCH --requeue" in result.stdout
-    assert f'if [ "$code" -eq {launch.EXIT_PREEMPTED} ]; then scontrol requeue "$SLURM_JOB_ID"; fi' in result.stdout
+    assert f'if [ "$code" -eq {exit_codes.PREEMPTED} ]; then scontrol requeue "$SLURM_JOB_ID"; fi' in result.stdout
     check = subprocess.run(["bash", "-n"], input=result.stdout, text=True, capture_output=True)
     assert check.returncode == 0, check.stderr

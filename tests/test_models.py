@@ -36,7 +36,7 @@ def test_bad_model_arguments():
 
 
 def test_config_names_the_models_that_exist():
-    from distrib_tf import config  # pylint: disable=import-outside-toplevel
     from distrib_tf.models import MODELS  # pylint: disable=import-outside-toplevel
+    from distrib_tf.train import config  # pylint: disable=import-outside-toplevel
 
     assert config.MODELS == tuple(MODELS)

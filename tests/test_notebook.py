@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from distrib_tf import notebook
+from distrib_tf.experiments import notebook
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 SPEC = os.path.join(ROOT, "cluster_specs", "local_2workers.json")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from distrib_tf import placement
+from distrib_tf.launch import placement
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 

@@ -10,9 +10,10 @@ import sys
 import pytest
 
 from distrib_tf import events
-from distrib_tf.progress import stragglers
-from distrib_tf.supervise import TaskExit
-from distrib_tf.supervise import is_quieted
+from distrib_tf.keras.progress import stragglers
+from distrib_tf.launch import console
+from distrib_tf.launch.supervise import TaskExit
+from distrib_tf.launch.supervise import is_quieted
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 LAUNCH = [sys.executable, "-m", "distrib_tf.launch"]
@@ -21,7 +22,7 @@ PYTHON_WARNING = re.compile(r"\w+Warning: ")
 
 
 def test_status_line_names_the_slowest_worker():
-    line = events.status_line({"epoch": 1, "epochs": 3, "step": 5, "steps": 10, "examples_per_second": 100.4,
+    line = console.status_line({"epoch": 1, "epochs": 3, "step": 5, "steps": 10, "examples_per_second": 100.4,
                                "eta_seconds": 3725, "worker_step_seconds": {"worker:0": 0.2, "worker:1": 0.05}})
     assert line == "epoch 1/3  step 5/10  100 examples/s  ETA 1:02:05  slowest worker:0 200 ms/step"
 
@@ -49,7 +50,7 @@ class _Terminal(io.StringIO):
 
 def test_the_status_line_stays_under_the_output_on_a_terminal(tmp_path):
     out = _Terminal()
-    sink = events.Sink(out, path=str(tmp_path / "events.jsonl"))
+    sink = console.Sink(out, path=str(tmp_path / "events.jsonl"))
     sink.event("worker:0", {"event": "progress", "epoch": 1, "epochs": 2, "step": 3, "steps": 9})
     sink.line("[worker:0] hello")
     sink.event("worker:1", {"event": "progress", "epoch": 1, "epochs": 2, "step": 2, "steps": 9})  # Not shown.

@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from cluster_runner import QUIET_TF
-from distrib_tf import slurm
 from distrib_tf.cluster import ClusterSpecError
+from distrib_tf.deploy import slurm
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}

@@ -8,15 +8,16 @@ import sys
 import pytest
 
 from cluster_runner import QUIET_TF
-from distrib_tf import sweep
+from distrib_tf.experiments import sweep
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
 SPEC = os.path.join(ROOT, "cluster_specs", "local_2workers.json")
+SWEEP = "distrib_tf.experiments.sweep"
 
 
 def _sweep(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "distrib_tf.sweep", f"--cluster_spec={SPEC}", *args],
+    return subprocess.run([sys.executable, "-m", SWEEP, f"--cluster_spec={SPEC}", *args],
                           capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT)
 
 
@@ -101,7 +102,7 @@ def test_min_mode_and_a_zero_metric_reach_optuna(tmp_path):
      "Cannot read cluster spec /nonexistent.json"),
 ])
 def test_bad_input_exits_2_and_starts_nothing(tmp_path, args, message):
-    result = subprocess.run([sys.executable, "-m", "distrib_tf.sweep", f"--sweep_dir={tmp_path}/sweep", *args],
+    result = subprocess.run([sys.executable, "-m", SWEEP, f"--sweep_dir={tmp_path}/sweep", *args],
                             capture_output=True, text=True, env=ENV, timeout=30, cwd=ROOT)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
@@ -123,7 +124,7 @@ def test_tpe_sampler_runs_trials(tmp_path):
 def test_trials_run_side_by_side_when_there_is_room(tmp_path):
     # One-worker trials on 2 CPUs: two at a time, each launcher on its own free port.
     result = subprocess.run(
-        [sys.executable, "-m", "distrib_tf.sweep", f"--cluster_spec={ROOT}/cluster_specs/local_1worker.json",
+        [sys.executable, "-m", SWEEP, f"--cluster_spec={ROOT}/cluster_specs/local_1worker.json",
          "--space=seed=[1,2]", f"--sweep_dir={tmp_path}", "--", "--epochs=1", "--steps_per_epoch=5"],
         capture_output=True, text=True, env=ENV, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -138,7 +139,7 @@ def test_ctrl_c_stops_every_trial(tmp_path):
     import time  # pylint: disable=import-outside-toplevel
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "distrib_tf.sweep", f"--cluster_spec={SPEC}", "--space=seed=[1]",
+        [sys.executable, "-m", SWEEP, f"--cluster_spec={SPEC}", "--space=seed=[1]",
          f"--sweep_dir={tmp_path}", "--", "--epochs=50"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
     deadline = time.monotonic() + 60

@@ -23,11 +23,11 @@ def fit_outcome(strategy, **compile_args):
 
 def main():
     strategy = distrib_tf.make_strategy("mirrored", cpu_replicas=2)
-    from distrib_tf import _keras_compat  # pylint: disable=import-outside-toplevel
+    from distrib_tf.keras import compat  # pylint: disable=import-outside-toplevel
 
     cases = {"steps_per_execution": {"steps_per_execution": 2}, "jit_compile": {"jit_compile": True}}
     outcomes = {name: {"with_fix": fit_outcome(strategy, **args)} for name, args in cases.items()}
-    _keras_compat.revert("compile_checks")
+    compat.revert("compile_checks")
     for name, args in cases.items():
         outcomes[name]["without_fix"] = fit_outcome(strategy, **args)
     print(json.dumps(outcomes))

@@ -68,8 +68,8 @@ def main():
     args = parse_args()
     strategy = distrib_tf.make_strategy()
     if args.without_fix:
-        from distrib_tf import _keras_compat  # pylint: disable=import-outside-toplevel
-        _keras_compat.revert(args.without_fix)
+        from distrib_tf.keras import compat  # pylint: disable=import-outside-toplevel
+        compat.revert(args.without_fix)
     import keras  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 

@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from distrib_tf import data
-from distrib_tf import serving
+from distrib_tf.train import serving
 
 model_dir = sys.argv[1]
 with open(os.path.join(model_dir, "summary.json")) as f:

@@ -21,7 +21,7 @@ strategy = distrib_tf.make_strategy()
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from distrib_tf.localsgd import PeriodicSync  # noqa: E402
+from distrib_tf.keras.local_sgd import PeriodicSync  # noqa: E402
 
 GLOBAL_BATCH, STEPS = 16, 12
 

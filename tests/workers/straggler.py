@@ -1,4 +1,4 @@
-"""A Keras user's model with `distrib_tf.progress.Progress`, one worker slowed on purpose.
+"""A Keras user's model with `distrib_tf.keras.progress.Progress`, one worker slowed on purpose.
 
 Every step, `--slow_task` sleeps `--sleep` seconds on the host before its step (inside the
 interval that `Progress` measures): the other workers then wait that long in the
@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 import distrib_tf
-from distrib_tf.progress import Progress
+from distrib_tf.keras.progress import Progress
 
 GLOBAL_BATCH, STEPS, EPOCHS = 16, 40, 2
 

@@ -27,16 +27,14 @@ Keras 3 (tested: `TESTED_KERAS`) on TensorFlow breaks under
 7. An embedding's gradient is a `tf.IndexedSlices` with one row per token looked up,
    duplicates not summed; Keras's optimizers update such a gradient row by row, so
    Adam squares each duplicate before summing them, and the sum over replicas adds
-   more duplicates: results change with the number of replicas (1% of the loss after
-   one step of the transformer on 2 replicas). Fixed by summing duplicates into a
+   more duplicates: results change with the number of replicas. Fixed by summing duplicates into a
    dense gradient first, which is Adam's definition, on every layout.
 8. `fit` validates every epoch through one `TFEpochIterator`, whose `reset` drops the
    previous epoch's dataset iterator on the main thread. Under `tf.distribute` that
    iterator feeds each replica through a per-device tf.data pipeline, whose destructor
    joins the pipeline's thread (in a debugger: `RootDataset::Iterator`'s destructor,
-   joining while tf.data's autotuning thread sleeps). It took up to about 4 s per epoch
-   on 2 workers whose epochs take 6 s (the main job's CNN), while the other workers
-   waited at validation's first collective. Fixed by dropping the old iterator on a
+   joining while tf.data's autotuning thread sleeps), for seconds per epoch while the
+   other workers wait at validation's first collective (BENCHMARKS.md). Fixed by dropping the old iterator on a
    thread of its own, which the process waits for at exit; nothing else changes.
 
 Each fix changes behaviour only in the case it names and otherwise calls the original.

@@ -1,8 +1,8 @@
 """The callbacks of the main job: checkpoints, TensorBoard, timing, progress.
 
-Every worker backs up its own state (`distrib_tf.backup.WorkerBackup`); only the chief
+Every worker backs up its own state (`distrib_tf.keras.backup.WorkerBackup`); only the chief
 writes what a user reads (`checkpoints/`, `logs/`). Keras's own `ModelCheckpoint`,
-`BackupAndRestore` and `TensorBoard` are made chief-aware by `distrib_tf._keras_compat`,
+`BackupAndRestore` and `TensorBoard` are made chief-aware by `distrib_tf.keras.compat`,
 so a user's own callbacks get the same behaviour.
 """
 
@@ -13,9 +13,12 @@ import time
 import keras
 import tensorflow as tf
 
-from distrib_tf import evaluator
-
 logger = logging.getLogger("distrib_tf")
+
+
+def checkpoint_path(model_dir: str, epoch: int) -> str:
+    """Where the chief writes the checkpoint of `epoch` (1-based)."""
+    return os.path.join(model_dir, "checkpoints", f"epoch{epoch:03d}.weights.h5")
 
 
 class ChiefCheckpoint(keras.callbacks.Callback):
@@ -33,7 +36,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if not self.model.distribute_strategy.extended.should_checkpoint:
             return
-        path = evaluator.checkpoint_path(self.model_dir, epoch + 1)
+        path = checkpoint_path(self.model_dir, epoch + 1)
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         writing = path[: -len(".weights.h5")] + ".writing.weights.h5"
         self.model.save_weights(writing, overwrite=True)
@@ -78,10 +81,9 @@ class ProfileSteps(keras.callbacks.Callback):
     Every worker profiles its own steps into `log_dir` (`model_dir/logs/<task>/plugins/
     profile/`, on its own disk): TensorBoard's Profile tab shows one run per worker.
 
-    Several workers: on TensorFlow 2.21, stopping the profile crashed a worker of 2 (a
-    SIGSEGV in the host tracer's `SplitEventTracker::FindStartAndMerge`, also with the host
-    tracer at level 1) in 4 runs of 10 for steps 24 to 27 of 25-step epochs and in 1 of 12
-    for steps 5 to 8; each such profile gets a warning. One process: none in 5 runs.
+    Several workers: on TensorFlow 2.21, stopping the profile can crash a worker (a SIGSEGV
+    in the host tracer's `SplitEventTracker::FindStartAndMerge`; how often: BENCHMARKS.md,
+    "Known crashes"), so each such profile gets a warning. One process profiles reliably.
     """
 
     def __init__(self, log_dir: str, first: int, last: int, workers: int = 1):
@@ -90,8 +92,8 @@ class ProfileSteps(keras.callbacks.Callback):
         self._step, self._active = 0, False
         if workers > 1:
             logger.warning("--profile_steps with %d workers: TensorFlow's host tracer can crash "
-                           "a worker when the profile stops (a SIGSEGV in 1 to 4 runs of 10 with "
-                           "2 workers); profile one process where you can.", workers)
+                           "a worker when the profile stops (a SIGSEGV); profile one process "
+                           "where you can.", workers)
 
     def on_train_begin(self, logs=None):
         self._step = int(self.model.optimizer.iterations.numpy())

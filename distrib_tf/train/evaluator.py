@@ -26,14 +26,9 @@ import time
 
 import tensorflow as tf
 
-from distrib_tf import backup
+from distrib_tf.keras import backup
 
 _CHECKPOINT = re.compile(r"epoch(\d+)\.weights\.h5$")
-
-
-def checkpoint_path(model_dir: str, epoch: int) -> str:
-    """Where the chief writes the checkpoint of `epoch` (1-based)."""
-    return os.path.join(model_dir, "checkpoints", f"epoch{epoch:03d}.weights.h5")
 
 
 def _checkpoints(model_dir: str) -> list[tuple[int, str]]:

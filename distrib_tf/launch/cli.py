@@ -23,7 +23,7 @@ cluster read from the `SLURM_*` variables), each with:
   this launcher's tasks), and `CUDA_VISIBLE_DEVICES`: with `--gpus_per_task=N` local rank
   r gets GPUs r*N ... r*N+N-1 of those the launcher was given (its own
   `CUDA_VISIBLE_DEVICES` when set); with several local tasks and no flag the GPUs are
-  split evenly, or refused in one line when they do not divide (`distrib_tf.placement`);
+  split evenly, or refused in one line when they do not divide (`distrib_tf.launch.placement`);
 - `DISTRIB_TF_COLLECTIVE_TIMEOUT`, with `--collective_timeout`: `make_strategy()`
   then fails a stuck all-reduce after that many seconds instead of hanging.
 
@@ -54,15 +54,15 @@ signal).
 
 Preemption: SIGTERM to the launcher (Slurm's and Kubernetes' notice) is forwarded to
 every task; the main job's workers then agree on one step, each backs it up and exits
-with 75 (`distrib_tf.preemption`), and the launcher exits with 75: started again, the
+with 75 (`distrib_tf.keras.preemption`), and the launcher exits with 75: started again, the
 job resumes at that step. A task that exits with 75 on its own (it got the SIGTERM)
 ends the launch the same way. Ctrl-C stops the whole group the same way and exits 130.
 Signal handlers only record the signal; the supervision loop acts on it.
 
-Exit codes: 0 every task succeeded; 1 a task failed and no restarts remain; 2 bad
-input (nothing started, or a task reported bad input); 75 preempted, the state is
-saved, start again to resume; 130 interrupted by Ctrl-C (or SIGTERM to a job that
-did not save).
+Exit codes (`distrib_tf.exit_codes`): 0 every task succeeded; 1 a task failed and no
+restarts remain; 2 bad input (nothing started, or a task reported bad input); 75
+preempted, the state is saved, start again to resume; 130 interrupted by Ctrl-C (or
+SIGTERM to a job that did not save).
 
 This module imports no TensorFlow.
 """
@@ -73,32 +73,17 @@ import os
 import shutil
 import sys
 
-from distrib_tf import cli
-from distrib_tf import placement
-from distrib_tf import slurm
+from distrib_tf import argparsing
+from distrib_tf import exit_codes
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import Task
 from distrib_tf.cluster import parse_task
 from distrib_tf.cluster import shipped_specs
-from distrib_tf.isolation import enter_private_network
-from distrib_tf.isolation import is_loopback_only
-from distrib_tf.supervise import EXIT_FAILED
-from distrib_tf.supervise import EXIT_INTERRUPTED
-from distrib_tf.supervise import EXIT_NONFINITE
-from distrib_tf.supervise import EXIT_OK
-from distrib_tf.supervise import EXIT_PREEMPTED
-from distrib_tf.supervise import EXIT_USAGE
-from distrib_tf.supervise import LaunchConfig
-from distrib_tf.supervise import LaunchResult
-from distrib_tf.supervise import run
-from distrib_tf.supervise import task_env
-from distrib_tf.supervise import task_placement
-
-__all__ = [
-    "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_OK", "EXIT_PREEMPTED", "EXIT_USAGE",
-    "LaunchConfig", "LaunchResult", "command_line", "config_from_args", "enter_private_network",
-    "is_loopback_only", "main", "main_job_command", "parse_args", "run", "task_env",
-]
+from distrib_tf.deploy import slurm
+from distrib_tf.launch import placement
+from distrib_tf.launch.supervise import LaunchConfig
+from distrib_tf.launch.supervise import run
+from distrib_tf.launch.supervise import task_placement
 
 
 def command_line(cluster_spec: str, command: list[str], *, max_restarts: int = 0,
@@ -131,7 +116,7 @@ def _positive_int(text: str) -> int:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = cli.Parser(
+    parser = argparsing.Parser(
         prog="distrib-tf-launch", description="Start the tasks of a cluster spec on this host.",
         epilog="Example: distrib-tf-launch --workers=2 -- python my_script.py")
     parser.add_argument("--cluster_spec", help="a JSON spec file, or the name of a shipped spec ("
@@ -159,7 +144,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no_private", action="store_true",
                         help="for a loopback-only spec, do not isolate the tasks in a private "
                              "network namespace (they are then reachable from the network)")
-    parser.add_argument("command", nargs=cli.REMAINDER, help="-- COMMAND ...")
+    parser.add_argument("command", nargs=argparsing.REMAINDER, help="-- COMMAND ...")
     return parser.parse_args(argv)
 
 
@@ -215,7 +200,7 @@ def _refuse_free_ports(spec: ClusterSpec, why: str) -> None:
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """Validates the arguments; raises `ValueError` with one line on bad input."""
-    command = cli.command_after(args.command)
+    command = argparsing.command_after(args.command)
     if not command:
         raise ValueError("Missing command. Expected `-- COMMAND ...` after the options, "
                          "for example `-- python -m distrib_tf.train`.")
@@ -251,13 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as e:  # ClusterSpecError included.
         print(f"distrib-tf-launch: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return exit_codes.USAGE
     result = run(config)
-    if result.exit_code == EXIT_FAILED:
+    if result.exit_code == exit_codes.FAILED:
         print(f"distrib-tf-launch: job failed after {result.attempts} attempt(s); first "
               f"failure: {result.first_failure.describe()}", file=sys.stderr)
     return result.exit_code
 
-
-if __name__ == "__main__":
-    sys.exit(main())

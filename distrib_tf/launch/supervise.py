@@ -15,14 +15,14 @@ import threading
 import time
 
 from distrib_tf import events
-from distrib_tf import isolation
-from distrib_tf import placement
-from distrib_tf import slurm
+from distrib_tf import exit_codes
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import Task
+from distrib_tf.deploy import slurm
+from distrib_tf.launch import console as console_lib
+from distrib_tf.launch import isolation
+from distrib_tf.launch import placement
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 75, 130
-EXIT_NONFINITE = 65  # The main job's NaN/Inf stop: a restart would resume into it again.
 TAIL_LINES = 20
 # TensorFlow's error when its gRPC server cannot listen on its port (taken by another process).
 GRPC_START_FAILURE = "Could not start gRPC server"
@@ -89,14 +89,14 @@ class LaunchResult:
     first_failure: TaskExit | None = None
 
     def is_failed(self) -> bool:
-        return self.exit_code != EXIT_OK
+        return self.exit_code != exit_codes.OK
 
 
 def task_placement(config: LaunchConfig, slot: int, base_env: dict[str, str]) -> dict[str, str]:
     """`LOCAL_RANK`, `LOCAL_WORLD_SIZE` and the GPUs of the `slot`-th local task. Pure.
 
     Raises:
-        ValueError: the GPUs asked for do not fit or do not divide (`distrib_tf.placement`).
+        ValueError: the GPUs asked for do not fit or do not divide (`distrib_tf.launch.placement`).
     """
     local_rank, local_tasks = slurm.local_rank(base_env) or (slot, len(config.tasks))
     return placement.placement_env(local_rank=local_rank, local_tasks=local_tasks,
@@ -119,7 +119,7 @@ def task_env(config: LaunchConfig, spec: ClusterSpec, task: Task, slot: int,
 class _Group:
     """The running tasks of one attempt, with their output and event pumps."""
 
-    def __init__(self, config: LaunchConfig, spec: ClusterSpec, console: events.Sink, attempt: int):
+    def __init__(self, config: LaunchConfig, spec: ClusterSpec, console: console_lib.Sink, attempt: int):
         self.procs: dict[Task, subprocess.Popen] = {}
         self.tails: dict[Task, collections.deque] = {}
         self.pumps: list[threading.Thread] = []
@@ -213,13 +213,13 @@ def _signal_group(proc: subprocess.Popen, sig: int):
         pass
 
 
-def _say(message: str, console: events.Sink):
+def _say(message: str, console: console_lib.Sink):
     console.line(f"[launcher] {message}")
 
 
 def run(config: LaunchConfig) -> LaunchResult:
     """Runs the job to success, or until restarts are exhausted or it is interrupted."""
-    console = events.Sink(sys.stdout, path=config.events_path)
+    console = console_lib.Sink(sys.stdout, path=config.events_path)
     try:
         result = _run(config, console)
         failure = result.first_failure
@@ -231,7 +231,7 @@ def run(config: LaunchConfig) -> LaunchResult:
         console.close()
 
 
-def _run(config: LaunchConfig, console: events.Sink) -> LaunchResult:
+def _run(config: LaunchConfig, console: console_lib.Sink) -> LaunchResult:
     if config.log_dir:
         os.makedirs(config.log_dir, exist_ok=True)
     isolation.protect_network(config.spec, config.tasks, config.private,
@@ -256,13 +256,13 @@ def _run(config: LaunchConfig, console: events.Sink) -> LaunchResult:
             if ended.returncode == 0:
                 group.finish(None)
                 _say(f"every task succeeded (attempt {attempt})", console)
-                return LaunchResult(EXIT_OK, attempt, first_failure)
+                return LaunchResult(exit_codes.OK, attempt, first_failure)
             group.stop(config.grace_period)
             failure = group.finish(ended)
-            if ended.returncode == EXIT_PREEMPTED:
+            if ended.returncode == exit_codes.PREEMPTED:
                 _say(f"{failure.task} was preempted: every worker saved its state; start the "
                      "job again to resume", console)
-                return LaunchResult(EXIT_PREEMPTED, attempt, first_failure)
+                return LaunchResult(exit_codes.PREEMPTED, attempt, first_failure)
             if received:
                 return _stop_on_signal(group, received[0], config, attempt, first_failure or failure,
                                        console)
@@ -274,13 +274,13 @@ def _run(config: LaunchConfig, console: events.Sink) -> LaunchResult:
                      "as a restart)", console)
                 continue
             first_failure = first_failure or failure
-            if ended.returncode in (EXIT_USAGE, EXIT_NONFINITE):  # It would fail again.
+            if ended.returncode in (exit_codes.USAGE, exit_codes.NONFINITE):  # It would fail again.
                 _report(failure, attempt, 0, console)
-                return LaunchResult(EXIT_USAGE if ended.returncode == EXIT_USAGE else EXIT_FAILED,
+                return LaunchResult(exit_codes.USAGE if ended.returncode == exit_codes.USAGE else exit_codes.FAILED,
                                     attempt, first_failure)
             _report(failure, attempt, config.max_restarts - restarts, console)
             if restarts == config.max_restarts:
-                return LaunchResult(EXIT_FAILED, attempt, first_failure)
+                return LaunchResult(exit_codes.FAILED, attempt, first_failure)
             restarts += 1
     finally:
         for sig, handler in previous.items():
@@ -301,10 +301,10 @@ def _stop_on_signal(group, signum, config, attempt, first_failure, console) -> L
          "the main job saves first)", console)
     codes = group.stop(config.grace_period)
     group.finish(None)
-    if signum == signal.SIGTERM and EXIT_PREEMPTED in codes:
+    if signum == signal.SIGTERM and exit_codes.PREEMPTED in codes:
         _say("preempted: every worker saved its state; start the job again to resume", console)
-        return LaunchResult(EXIT_PREEMPTED, attempt, first_failure)
-    return LaunchResult(EXIT_INTERRUPTED, attempt, first_failure)
+        return LaunchResult(exit_codes.PREEMPTED, attempt, first_failure)
+    return LaunchResult(exit_codes.INTERRUPTED, attempt, first_failure)
 
 
 def _report(failure: TaskExit, attempt: int, restarts_left: int, console):

@@ -1,4 +1,4 @@
-"""The cluster of a Slurm job step, from the `SLURM_*` variables that `srun` sets.
+"""Slurm: the cluster of a job step from the `SLURM_*` variables, and the batch script that starts one.
 
 `distrib-tf-launch --slurm`, run once per Slurm task by `srun`, builds the same cluster in
 every task without talking to the others:
@@ -16,14 +16,23 @@ every task without talking to the others:
   apart, never share one. Reserve ports where jobs are older than that.
 - A single-node step talks over 127.0.0.1.
 
-Every inconsistency is one `ClusterSpecError` line. No TensorFlow here.
+Every inconsistency is one `ClusterSpecError` line.
+
+`batch_script` (`distrib-tf-export slurm`) writes a batch script that runs one task per
+Slurm task through `distrib-tf-launch --slurm`; it asks Slurm for SIGTERM two minutes
+before a time limit or preemption (`--signal=TERM@120`) and requeues itself when the job
+exits 75.
+
+No TensorFlow here.
 """
 
 import os
+import shlex
 import shutil
 import subprocess
 from collections.abc import Mapping
 
+from distrib_tf import exit_codes
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import ClusterSpecError
 from distrib_tf.cluster import Task
@@ -188,3 +197,26 @@ def local_rank(environ: Mapping[str, str]) -> tuple[int, int] | None:
             "Invalid value for `SLURM_LOCALID`, `SLURM_NODEID` or `SLURM_STEP_TASKS_PER_NODE` in "
             f"{SOURCE}. Received: {environ.get('SLURM_LOCALID')!r}, {environ.get('SLURM_NODEID')!r}, "
             f"{counts!r}. Expected a local id below this node's task count.") from None
+
+
+def batch_script(spec: ClusterSpec, *, command: list[str], job_name: str = "distrib_tf") -> str:
+    """An `sbatch` script running one Slurm task per training task of `spec`."""
+    tasks = spec.num_workers
+    return "\n".join([
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --ntasks={tasks}",
+        "#SBATCH --cpus-per-task=1",
+        "#SBATCH --output=%x-%j.out",
+        "#SBATCH --signal=TERM@120",
+        "#SBATCH --requeue",
+        "# One TensorFlow task per Slurm task; TF_CONFIG comes from the SLURM_* variables.",
+        "# --kill-on-bad-exit stops every task when one fails. SIGTERM (120 s before a time",
+        f"# limit or a preemption) makes every worker back up one agreed step and exit {exit_codes.PREEMPTED};",
+        "# the job then requeues itself and resumes at that step (backups on each node's disk).",
+        "srun --kill-on-bad-exit=1 distrib-tf-launch --slurm -- " + shlex.join(command),
+        "code=$?",
+        f'if [ "$code" -eq {exit_codes.PREEMPTED} ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
+        'exit "$code"',
+        "",
+    ])

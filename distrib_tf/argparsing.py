@@ -10,7 +10,8 @@ This module imports no TensorFlow.
 import argparse
 import sys
 
-EXIT_USAGE = 2
+from distrib_tf import exit_codes
+
 REMAINDER = argparse.REMAINDER
 
 
@@ -32,7 +33,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+        sys.exit(exit_codes.USAGE)
 
 
 def command_after(remainder: list[str]) -> list[str]:

@@ -30,6 +30,7 @@ import time
 
 from distrib_tf import events
 from distrib_tf import launch
+from distrib_tf.launch import console
 
 
 class JobFailed(RuntimeError):
@@ -86,7 +87,7 @@ class Job:
             elif kind == "train_begin":
                 self._epochs[task] = (self._epochs.get(task, (0, 0))[0], event["epochs"])
             elif kind == "progress":
-                self._status_line = events.status_line(event)
+                self._status_line = console.status_line(event)
             elif kind == "epoch":
                 self._epochs[task] = (event["epoch"], event["epochs"])
             elif kind == "task_failed" and event.get("restarts_left"):

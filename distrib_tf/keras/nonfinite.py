@@ -17,7 +17,7 @@ names the workers whose batch held it.
 With `--on_nan=rollback` the main job then restores the last backup every worker holds,
 halves the learning rate and goes on, at most `--max_rollbacks` times (the recovery of
 tensorflow/models' orbit `RecoveryCondition`); with `--on_nan=stop` it exits with
-`EXIT_NONFINITE` (65), which the launcher does not retry.
+`distrib_tf.exit_codes.NONFINITE` (65), which the launcher does not retry.
 
 Example:
 
@@ -31,9 +31,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from distrib_tf import backup
+from distrib_tf.keras import backup
 
-EXIT_NONFINITE = 65  # EX_DATAERR: retrying resumes into the same NaN.
 METRIC = "nonfinite_replicas"
 
 

@@ -5,8 +5,8 @@ a time limit, Kubernetes before an eviction). `install_sigterm_handler()` makes 
 only record that it came. `SaveOnPreemption` then has every worker agree on the next
 step through the coordination service, back it up and raise `Preempted`; between
 preemptions it costs nothing but a flag read per step. The main job then exits with
-`EXIT_PREEMPTED` (75), which the launcher forwards; started again, the job resumes at
-that step (`distrib_tf.backup`): no step is lost.
+`distrib_tf.exit_codes.PREEMPTED` (75), which the launcher forwards; started again, the job resumes at
+that step (`distrib_tf.keras.backup`): no step is lost.
 
 Example, for a Keras user's own `fit`:
 
@@ -21,8 +21,6 @@ import threading
 import keras
 import tensorflow as tf
 from tensorflow.python.eager import context  # The coordination service's key-value store.
-
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: the state is saved; start the job again to resume.
 
 _requested = False
 
@@ -61,7 +59,7 @@ class SaveOnPreemption(keras.callbacks.Callback):
     way. In one process the flag alone decides.
 
     Args:
-        worker_backup: the `distrib_tf.backup.WorkerBackup` of this worker, which
+        worker_backup: the `distrib_tf.keras.backup.WorkerBackup` of this worker, which
             must come before this callback in `fit`'s list (it counts the steps).
         ack_timeout: seconds to wait for the other workers to read the step.
     """

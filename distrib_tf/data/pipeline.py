@@ -29,11 +29,10 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 
 import tensorflow as tf
 
-from distrib_tf import offline_data as offline
+from distrib_tf.data import offline
 
 logger = logging.getLogger("distrib_tf")
 
@@ -79,7 +78,7 @@ def check_dataset_name(name: str) -> None:
     )
 
 
-# Offline defaults (`distrib_tf.offline_data`) ------------------------------------------
+# Offline defaults (`distrib_tf.data.offline`) ------------------------------------------
 
 _OFFLINE = {
     "shapes": (offline.make_shapes, DatasetInfo(
@@ -362,32 +361,3 @@ def _tfds_dataset_fn(info: DatasetInfo, split: str, *, global_batch_size: int, s
             tf.data.INFINITE_CARDINALITY)).prefetch(tf.data.AUTOTUNE)
 
     return dataset_fn
-
-
-def main(argv=None) -> int:
-    """`python -m distrib_tf.data prepare --dataset=NAME --out=DIR [--num_shards=N] [--data_dir=DIR]`."""
-    import distrib_tf  # pylint: disable=import-outside-toplevel
-    from distrib_tf import cli  # pylint: disable=import-outside-toplevel
-
-    distrib_tf.log_to_stderr()
-
-    parser = cli.Parser(prog="python -m distrib_tf.data", description="Prepare datasets.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=cli.Parser)
-    prepare = commands.add_parser("prepare", help="write a dataset as TFRecord shards")
-    prepare.add_argument("--dataset", required=True, help="a registered dataset: " + ", ".join(DATASETS))
-    prepare.add_argument("--out", required=True, help="the directory to write the shards and dataset.json to")
-    prepare.add_argument("--num_shards", type=int, default=8, help="files per split")
-    prepare.add_argument("--data_dir", default=None, help="where a TFDS dataset was prepared")
-    args = parser.parse_args(argv)
-    try:
-        info = write_tfrecords(args.dataset, args.out, num_shards=args.num_shards, data_dir=args.data_dir)
-    except (ValueError, OSError) as e:
-        print(f"distrib_tf.data: error: {e}", file=sys.stderr)
-        return 2
-    print(f"Wrote {info.num_examples} examples of {args.dataset} to {args.out} in "
-          f"{args.num_shards} files per split; use --dataset=tfrecord:{args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

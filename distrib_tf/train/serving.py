@@ -4,7 +4,7 @@ The chief writes, under `model_dir`:
 
 - `model.keras`: the whole Keras model (architecture, weights, optimizer state), for
   `load_model()` here, which is `keras.models.load_model` with distrib_tf's own layers
-  (`distrib_tf.models`) and metric (`distrib_tf.nonfinite.NonFiniteReplicas`) registered;
+  (`distrib_tf.models`) and metric (`distrib_tf.keras.nonfinite.NonFiniteReplicas`) registered;
 - `serving/`: a SavedModel with one `serve` endpoint (`model.export`), for TensorFlow
   Serving, `tf.saved_model.load` or TFLite conversion, with no distrib_tf needed.
 
@@ -13,7 +13,7 @@ half-written model.
 
 Example:
 
-    >>> model = distrib_tf.serving.load_model("runs/cnn/model.keras")
+    >>> model = distrib_tf.train.serving.load_model("runs/cnn/model.keras")
     >>> served = tf.saved_model.load("runs/cnn/serving")
     >>> served.serve(images)
 """
@@ -31,7 +31,7 @@ def load_model(path: str, **kwargs):
     import keras  # pylint: disable=import-outside-toplevel
 
     from distrib_tf import models  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-    from distrib_tf import nonfinite  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    from distrib_tf.keras import nonfinite  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
 
     return keras.models.load_model(path, **kwargs)
 

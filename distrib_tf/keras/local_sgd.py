@@ -96,7 +96,7 @@ def mark_all_reduce(optimizer, before, after) -> None:
     """Calls the host functions `before` and `after` around every gradient all-reduce.
 
     Each takes no argument and returns a float64 NumPy scalar (`tf.numpy_function`);
-    `None` for both removes them. Used by `distrib_tf.progress` to time the wait.
+    `None` for both removes them. Used by `distrib_tf.keras.progress` to time the wait.
     """
     _install()
     for each in _inner_optimizers(optimizer):

@@ -1,6 +1,6 @@
 """The first process of every task: it dies with the launcher and takes the task along.
 
-Run by `distrib_tf.supervise` as `python _task_init.py LAUNCHER_PID COMMAND...` (a file,
+Run by `distrib_tf.launch.supervise` as `python _task_init.py LAUNCHER_PID COMMAND...` (a file,
 not a module of the package: it imports nothing of distrib_tf). It
 
 1. asks Linux to SIGKILL it when the launcher dies (`PR_SET_PDEATHSIG`), and gives up if

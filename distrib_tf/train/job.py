@@ -1,20 +1,13 @@
-"""The main job: flags, then config, strategy, data, model, `fit`, summary.
+"""The main job as a library: `train_and_evaluate(config, model_dir)`.
 
-Usage:
-
-    python -m distrib_tf.train [--model=cnn|transformer] [--dataset=NAME] [--epochs=N]
-        [--global_batch_size=N] [--model_dir=DIR] [--strategy=auto] ...
-
-With no flags it trains the CNN on the offline `shapes` dataset; `--model=transformer`
-uses the offline `tokens` dataset. It reads `TF_CONFIG` when set, so the same command
-runs as every worker of a cluster (see `distrib_tf.launch`). Under `model_dir`:
+`prepare_job` checks everything a user can get wrong and builds the strategy; `run_job`
+builds the data and the model and runs `fit`. A notebook or a sweep calls them as the
+command line (`distrib_tf.train.cli`) does. Under `model_dir`:
 `backup/<task>/` on every worker's own disk (a restarted job resumes from it, see
-`distrib_tf.backup`); `checkpoints/`, `logs/` (TensorBoard), `summary.json` and the
-trained model (`model.keras`, and `serving/`, a SavedModel; `distrib_tf.serving`), written
-by the chief only; `eval/`, written by an `evaluator` task only (`distrib_tf.evaluator`).
-
-Bad flags print one line and exit with code 2. This module only parses flags: the work
-is `train_and_evaluate(config, model_dir)`, which a notebook can call too.
+`distrib_tf.keras.backup`); `checkpoints/`, `logs/` (TensorBoard), `summary.json` and the
+trained model (`model.keras`, and `serving/`, a SavedModel; `distrib_tf.train.serving`),
+written by the chief only; `eval/`, written by an `evaluator` task only
+(`distrib_tf.train.evaluator`).
 """
 
 import dataclasses
@@ -23,29 +16,24 @@ import sys
 import time
 
 import keras
-from absl import app
-from absl import flags
-from absl import logging as absl_logging
 
-import distrib_tf
-from distrib_tf import backup
-from distrib_tf import callbacks as callbacks_lib
 from distrib_tf import cluster
 from distrib_tf import data
-from distrib_tf import evaluator
 from distrib_tf import events
-from distrib_tf import localsgd
-from distrib_tf import nonfinite
-from distrib_tf import preemption
-from distrib_tf import progress
-from distrib_tf import serving
-from distrib_tf.config import MODEL_KINDS
-from distrib_tf.config import MODELS
-from distrib_tf.config import TrainConfig
-from distrib_tf.config import invalid_flag
+from distrib_tf.keras import backup
+from distrib_tf.keras import callbacks as callbacks_lib
+from distrib_tf.keras import local_sgd
+from distrib_tf.keras import nonfinite
+from distrib_tf.keras import preemption
+from distrib_tf.keras import progress
 from distrib_tf.models import build_model
 from distrib_tf.strategy import make_strategy
 from distrib_tf.strategy import strategy_name
+from distrib_tf.train import evaluator
+from distrib_tf.train import serving
+from distrib_tf.train.config import MODEL_KINDS
+from distrib_tf.train.config import TrainConfig
+from distrib_tf.train.config import invalid_flag
 
 
 @dataclasses.dataclass
@@ -115,14 +103,14 @@ def build_compiled_model(config: TrainConfig, info, strategy):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy", nonfinite.NonFiniteReplicas()],
         )
-    localsgd.compress_gradients(model.optimizer, config.allreduce_dtype)
+    local_sgd.compress_gradients(model.optimizer, config.allreduce_dtype)
     return model
 
 
 def run_job(job: Job) -> dict:
     """Trains and evaluates; returns the summary (written to `summary.json` by the chief).
 
-    Every worker first agrees on the step to resume from (`distrib_tf.backup`); a run
+    Every worker first agrees on the step to resume from (`distrib_tf.keras.backup`); a run
     resumed mid-epoch finishes that epoch's remaining steps, then goes on by epochs.
     An evaluator task trains nothing: it evaluates the chief's checkpoints.
     """
@@ -157,7 +145,7 @@ def run_job(job: Job) -> dict:
         examples_per_epoch=job.steps_per_epoch * config.global_batch_size,
         worker_backup=worker_backup)
     at = callbacks.index(worker_backup)  # Checked before the step is backed up; saved after.
-    periodic = [] if config.sync == "step" else [localsgd.PeriodicSync(
+    periodic = [] if config.sync == "step" else [local_sgd.PeriodicSync(
         strategy, config.sync_every() or job.steps_per_epoch, outer=config.outer()[0],
         outer_learning_rate=config.outer()[1], outer_momentum=config.outer()[2])]
     callbacks[at:at + 1] = [
@@ -255,104 +243,3 @@ def train_and_evaluate(config: TrainConfig, model_dir: str) -> dict:
         True
     """
     return run_job(prepare_job(config, model_dir))
-
-
-# Command line -------------------------------------------------------------------------
-
-FLAGS = flags.FLAGS
-
-
-def define_flags():
-    """Defines the job's flags; called by the command line only, so imports define none."""
-    flags.DEFINE_string("model", "cnn", f"Model: {', '.join(MODELS)}.")
-    flags.DEFINE_string("dataset", "", "Dataset (default: the model's offline default).")
-    flags.DEFINE_string("data_dir", None, "Where TFDS data was prepared.")
-    flags.DEFINE_integer("epochs", 3, "Epochs to train.")
-    flags.DEFINE_integer("global_batch_size", 64, "Batch size over all replicas.")
-    flags.DEFINE_float("learning_rate", 1e-3, "Adam learning rate.")
-    flags.DEFINE_string("model_dir", None, "Output directory (default: runs/MODEL).")
-    flags.DEFINE_string("strategy", "auto", "auto, one_device, mirrored or multi_worker.")
-    flags.DEFINE_integer("cpu_replicas", None, "Split the CPU into this many replicas.")
-    flags.DEFINE_string("mixed_precision", "off", "off, bfloat16 or float16.")
-    flags.DEFINE_boolean("float64", False, "Train in float64 (slow): to tell arithmetic from a bug, e.g. "
-                         "that results do not depend on the layout beyond float32 rounding.")
-    flags.DEFINE_integer("seed", 0, "Random seed.")
-    flags.DEFINE_integer("steps_per_epoch", None, "Steps per epoch (default: one pass).")
-    flags.DEFINE_float("collective_timeout", None, "Seconds before a stuck all-reduce fails.")
-    flags.DEFINE_integer("backup_every_steps", None,
-                         "Back up every N global steps too (default: at epoch ends only).")
-    flags.DEFINE_string("on_nan", "stop", "On a NaN or Inf loss: stop, or rollback to the last backup "
-                        "with half the learning rate.")
-    flags.DEFINE_integer("max_rollbacks", 3, "With --on_nan=rollback: roll back at most this often.")
-    flags.DEFINE_string("sync", "step", "step (all-reduce gradients every step), every:N (each worker "
-                        "applies its own; average the weights every N steps) or epoch (average once an "
-                        "epoch): distrib_tf.localsgd.")
-    flags.DEFINE_enum("outer_optimizer", None, ["average", "nesterov"], "Periodic sync's outer step "
-                      "(default average; nesterov: DiLoCo's, rate 0.7 and momentum 0.9 by default).")
-    flags.DEFINE_float("outer_learning_rate", None, "With --outer_optimizer=nesterov.")
-    flags.DEFINE_float("outer_momentum", None, "With --outer_optimizer=nesterov.")
-    flags.DEFINE_enum("allreduce_dtype", "float32", ["float32", "bfloat16", "float16"],
-                      "Type gradients travel in, with --sync=step.")
-    flags.DEFINE_string("profile_steps", None, "A,B: a TensorBoard profile of steps A to B (1-based) on "
-                        "every worker, in model_dir/logs/<task>/.")
-
-
-def config_from_flags() -> TrainConfig:
-    return TrainConfig(**{
-        field.name: getattr(FLAGS, field.name) for field in dataclasses.fields(TrainConfig)
-    })
-
-
-def _fail(message: str, code: int = 2):
-    print(f"distrib-tf-train: error: {message}", file=sys.stderr, flush=True)
-    events.emit("failed", error=message)
-    sys.exit(code)
-
-
-def _parse_flags(argv):
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        _fail(str(e).splitlines()[0])
-
-
-def main(argv):
-    absl_logging.set_verbosity(absl_logging.WARNING)  # TensorFlow's INFO lines drown the progress.
-    distrib_tf.log_to_stderr()
-    if len(argv) > 1:
-        _fail(f"unexpected arguments {argv[1:]}; flags look like --epochs=3")
-    try:
-        config = config_from_flags()
-        job = prepare_job(config, FLAGS.model_dir or os.path.join("runs", config.model))
-    except (ValueError, FileNotFoundError) as e:  # ClusterSpecError is a ValueError.
-        _fail(str(e))
-    if not job.is_evaluator:
-        preemption.install_sigterm_handler()
-    try:
-        summary = run_job(job)
-    except backup.ResumeError as e:
-        _fail(str(e))
-    except nonfinite.NonFiniteLoss as e:
-        _fail(f"{job.task}: {e} Every worker stopped at this step.", nonfinite.EXIT_NONFINITE)
-    except preemption.Preempted as e:
-        print(f"{job.task} preempted: backed up step {e.step} like every worker; start the job "
-              f"again to resume there (exit code {preemption.EXIT_PREEMPTED})", flush=True)
-        sys.exit(preemption.EXIT_PREEMPTED)
-    except Exception as e:  # The root cause, for the launcher; then the traceback as usual.
-        first_line = next(iter(str(e).strip().splitlines()), "")
-        events.emit("failed", error=f"{type(e).__name__}: {first_line}")
-        raise
-    if job.is_chief:
-        print(f"final accuracy {summary['final']['accuracy']:.4f} "
-              f"(chance {1 / job.info.num_classes:.4f}) on {config.dataset} test; "
-              f"summary: {os.path.join(job.model_dir, 'summary.json')}", flush=True)
-
-
-def run():
-    """Console script `distrib-tf-train`."""
-    define_flags()
-    app.run(main, flags_parser=_parse_flags)
-
-
-if __name__ == "__main__":
-    run()

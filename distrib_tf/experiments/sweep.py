@@ -2,7 +2,7 @@
 
 Usage:
 
-    python -m distrib_tf.sweep --space='learning_rate=[1e-3,3e-3] global_batch_size=[32,64]'
+    python -m distrib_tf.experiments.sweep --space='learning_rate=[1e-3,3e-3] global_batch_size=[32,64]'
         [--space_file=space.json] [--sampler=grid|random|tpe] [--trials=N]
         [--cluster_spec=local_2workers] [--sweep_dir=runs/sweep]
         [--metric=val_accuracy] [--mode=max] [--seed=0] [-- MORE TRAIN FLAGS]
@@ -12,7 +12,7 @@ the cluster spec, in its own `model_dir` (`SWEEP_DIR/trial-<id>`, the id a hash 
 values). Where the machine has room for several trials at once (more CPUs than one
 trial has local tasks), they run side by side, each on its own free ports.
 
-The search space (`distrib_tf.sweep_space`): `[a,b]`, `linspace(a,b,n)`,
+The search space (`distrib_tf.experiments.sweep_space`): `[a,b]`, `linspace(a,b,n)`,
 `logspace(a,b,n)`, `uniform(a,b)`, `loguniform(a,b)` per flag, or a JSON file.
 
 Built on Optuna (`pip install 'distrib_tf[sweep]'`): its grid, random and TPE samplers
@@ -45,17 +45,16 @@ import sys
 import threading
 import time
 
-from distrib_tf import cli
+from distrib_tf import argparsing
 from distrib_tf import events
+from distrib_tf import exit_codes
 from distrib_tf import launch
 from distrib_tf.cluster import ClusterSpec
-from distrib_tf.sweep_space import SWEEPABLE
-from distrib_tf.sweep_space import Dimension
-from distrib_tf.sweep_space import grid_size
-from distrib_tf.sweep_space import parse_space
-from distrib_tf.sweep_space import suggest
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+from distrib_tf.experiments.sweep_space import SWEEPABLE
+from distrib_tf.experiments.sweep_space import Dimension
+from distrib_tf.experiments.sweep_space import grid_size
+from distrib_tf.experiments.sweep_space import parse_space
+from distrib_tf.experiments.sweep_space import suggest
 
 
 def _optuna():
@@ -304,7 +303,7 @@ def format_table(rows: list[dict], names: list[str], metric: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = cli.Parser(prog="distrib-tf-sweep", description="Sweep the main job's flags.")
+    parser = argparsing.Parser(prog="distrib-tf-sweep", description="Sweep the main job's flags.")
     parser.add_argument("--space", default="", help="NAME=VALUES items: [a,b], linspace(a,b,n), "
                         "logspace(a,b,n), uniform(a,b), loguniform(a,b); flags: " + ", ".join(sorted(SWEEPABLE)))
     parser.add_argument("--space_file", help="the same as a JSON object, merged under --space")
@@ -318,9 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default="max", choices=("max", "min"), help="whether a larger metric is better")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random and tpe samplers")
     parser.add_argument("--parallel", type=int, help="trials at once (default: what the CPUs allow)")
-    parser.add_argument("extra", nargs=cli.REMAINDER, help="-- more flags for every trial's main job")
+    parser.add_argument("extra", nargs=argparsing.REMAINDER, help="-- more flags for every trial's main job")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    extra = cli.command_after(args.extra)
+    extra = argparsing.command_after(args.extra)
     try:
         data = None
         if args.space_file:
@@ -347,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         _optuna()
     except ValueError as e:  # ClusterSpecError included.
         print(f"distrib-tf-sweep: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return exit_codes.USAGE
     os.makedirs(args.sweep_dir, exist_ok=True)
     study = open_study(args.sweep_dir, space, sampler=args.sampler, seed=args.seed, mode=args.mode)
     parallel = args.parallel or max(1, (os.cpu_count() or 1) // needed)
@@ -360,13 +359,13 @@ def main(argv: list[str] | None = None) -> int:
                            say=lambda text: print(text, flush=True))
     except KeyboardInterrupt:
         print("sweep: interrupted; every trial stopped. Run the same command to resume.", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return exit_codes.INTERRUPTED
     rows = write_results(trials, args.sweep_dir, metric=args.metric, mode=args.mode)
     names = [d.name for d in space]
     plot = plot_sweep(rows, trials, names, os.path.join(args.sweep_dir, "sweep.png"), metric=args.metric)
     print(format_table(rows, names, args.metric))
     print(f"results: {args.sweep_dir}/results.csv, results.json" + (f", {plot}" if plot else ""))
-    return EXIT_OK if all(t.status == "finished" for t in trials) else EXIT_FAILED
+    return exit_codes.OK if all(t.status == "finished" for t in trials) else exit_codes.FAILED
 
 
 if __name__ == "__main__":

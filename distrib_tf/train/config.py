@@ -7,8 +7,9 @@ import dataclasses
 import hashlib
 import json
 
+from distrib_tf.cluster import STRATEGY_KINDS as KINDS
+
 MODELS = ("cnn", "transformer")  # distrib_tf.models.MODELS builds them.
-KINDS = ("auto", "one_device", "mirrored", "multi_worker")  # make_strategy's kinds.
 OUTER_OPTIMIZERS = {"average": (1.0, 0.0), "nesterov": (0.7, 0.9)}  # Default rate, momentum.
 ALLREDUCE_DTYPES = ("float32", "bfloat16", "float16")
 

@@ -4,7 +4,7 @@ In synchronous training every worker's step lasts as long as the slowest worker'
 others wait in the gradient all-reduce. So the wall time of a step says nothing about
 who is slow. `Progress` measures each worker's own time for a step: its wall time minus
 the time it waited in the all-reduce, read from the host clock just before and just
-after it (`distrib_tf.localsgd.mark_all_reduce`). Every `window` steps one small
+after it (`distrib_tf.keras.local_sgd.mark_all_reduce`). Every `window` steps one small
 all-reduce gives every worker the mean own step time of every worker, which goes
 
 - into the `progress` events (`distrib_tf.events`) that the launcher's status line shows;
@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from distrib_tf import events
-from distrib_tf import localsgd
+from distrib_tf.keras import local_sgd
 
 logger = logging.getLogger("distrib_tf")
 
@@ -91,7 +91,7 @@ class Progress(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         strategy = self.model.distribute_strategy
         if not self.model.jit_compile:  # Host functions cannot run inside XLA.
-            localsgd.mark_all_reduce(self.model.optimizer, self._before, self._after)
+            local_sgd.mark_all_reduce(self.model.optimizer, self._before, self._after)
         local_replicas = strategy.num_replicas_in_sync // len(self.workers)
 
         @tf.function
@@ -110,7 +110,7 @@ class Progress(keras.callbacks.Callback):
         events.emit("train_begin", epochs=self.epochs, steps=self.steps, workers=len(self.workers))
 
     def on_train_end(self, logs=None):
-        localsgd.mark_all_reduce(self.model.optimizer, None, None)
+        local_sgd.mark_all_reduce(self.model.optimizer, None, None)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._step = epoch, 0

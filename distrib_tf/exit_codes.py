@@ -1,0 +1,25 @@
+"""Every exit code of distrib_tf's commands, and what it tells a scheduler.
+
+The main job (`python -m distrib_tf.train`), the launcher, the sweep and the exporters
+all exit with these; the launcher forwards a task's, the Kubernetes and Slurm files that
+`distrib-tf-export` writes act on them:
+
+- 0 `OK`: every task succeeded.
+- 1 `FAILED`: a task failed and no restarts remain; a scheduler may retry.
+- 2 `USAGE`: bad input (a flag, a spec, a dataset), nothing lost; a retry fails again.
+- 65 `NONFINITE` (`EX_DATAERR`): a NaN or Inf loss stopped every worker at one step; a
+  retry resumes into it again.
+- 75 `PREEMPTED` (`EX_TEMPFAIL`): SIGTERM, every worker backed up one agreed step; start
+  the job again and it resumes there (the Slurm script requeues, the Kubernetes Job
+  recreates the pod without counting a failure).
+- 130 `INTERRUPTED`: Ctrl-C, or SIGTERM to a job that did not save.
+
+No TensorFlow here.
+"""
+
+OK = 0
+FAILED = 1
+USAGE = 2
+NONFINITE = 65
+PREEMPTED = 75
+INTERRUPTED = 130

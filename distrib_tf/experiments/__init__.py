@@ -1,0 +1,1 @@
+"""Experiments on top of the launcher: notebook jobs (`notebook`) and Optuna sweeps (`sweep`)."""

@@ -1,0 +1,5 @@
+"""`python -m distrib_tf.train` is `distrib-tf-train`."""
+
+from distrib_tf.train.cli import run
+
+run()
