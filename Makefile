@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-fast test-compat soak bench bench-layout bench-scaling bench-sync lint clean
+.PHONY: install train test test-fast test-compat soak bench bench-data bench-layout bench-scaling bench-sync lint clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ soak: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+# The input pipeline at 1 and 4 GiB on 2 workers, against plain TFRecord (benchmarks/data.py).
+bench-data: $(STAMP)
+	$(PY) benchmarks/data.py
 
 # How far apart layouts end, in float32 and float64 (benchmarks/layout_gap.py).
 bench-layout: $(STAMP)

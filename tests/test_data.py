@@ -1,8 +1,10 @@
-"""Datasets and sharded pipelines: offline defaults, TFDS (mocked data), TFRecord shards."""
+"""Datasets, the order and the readers: offline defaults, TFDS (mocked and prepared), ArrayRecord shards."""
 
 import hashlib
 import json
 import os
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -13,6 +15,8 @@ from cluster_runner import check_ok
 from cluster_runner import local_spec
 from cluster_runner import run_cluster
 from distrib_tf import data
+from distrib_tf.data import order
+from distrib_tf.data import tfds_source
 
 HERE = os.path.dirname(__file__)
 ENV = {"PYTHONPATH": os.path.dirname(HERE)}
@@ -80,24 +84,28 @@ class DtfTinyImages(tfds.core.GeneratorBasedBuilder):
             yield i, {"image": np.full((28, 28, 1), i, np.uint8), "label": i % 10}
 
 
-def test_each_tfds_pipeline_reads_only_its_part_of_the_split(tmp_path):
-    """Two input pipelines of a prepared TFDS dataset: disjoint halves, each shuffled, that
-    together are the whole split, every epoch; a third pipeline layout reads thirds."""
-    DtfTinyImages(data_dir=str(tmp_path)).download_and_prepare()
-    info = data.DatasetInfo("dtf_tiny_images", "image", 10, (28, 28, 1),
-                            num_examples={"train": 96, "test": 32}, data_dir=str(tmp_path))
+def _values(batch):
+    return [int(round(float(x[0, 0, 0]) * 255)) for x in batch]
+
+
+def test_a_tfds_dataset_in_array_record_is_read_by_index(tmp_path):
+    """Each of two pipelines reads only its replicas' examples; together they are the one-process
+    global batches; an epoch is a permutation of the split; TFRecord-prepared data is refused."""
+    DtfTinyImages(data_dir=str(tmp_path / "ar"), file_format="array_record").download_and_prepare()
+    info = tfds_source.load_info("dtf_tiny_images", str(tmp_path / "ar"))
+    assert info.num_examples == {"train": 96, "test": 32}
     dataset_fn = data.make_dataset_fn(info, "train", global_batch_size=12)  # 8 steps an epoch.
-    for pipelines in (2, 3):
-        parts = []
-        for index in range(pipelines):
-            context = tf.distribute.InputContext(pipelines, index, num_replicas_in_sync=pipelines * 2)
-            batches = list(dataset_fn(context).take(2 * 8 * 2))  # 2 epochs x 8 steps x 2 replicas.
-            seen = [int(round(float(x[0, 0, 0]) * 255)) for b, _ in batches for x in b]
-            assert all(b.shape[0] == 12 // (2 * pipelines) for b, _ in batches)
-            epoch_one, epoch_two = seen[:len(seen) // 2], seen[len(seen) // 2:]
-            assert sorted(epoch_one) == sorted(epoch_two) and epoch_one != epoch_two  # Reshuffled.
-            parts.append(set(epoch_one))
-        assert set.union(*parts) == set(range(96)) and sum(map(len, parts)) == 96
+    one = [_values(x) for x, _ in dataset_fn(tf.distribute.InputContext()).take(16)]
+    assert sorted(sum(one[:8], [])) == list(range(96)) and one[:8] != one[8:]  # Permuted, reshuffled.
+    halves = [[_values(x) for x, _ in dataset_fn(tf.distribute.InputContext(2, i, 4)).take(32)] for i in (0, 1)]
+    for step, expected in enumerate(one):
+        got = sum((halves[p][2 * step + r] for p in (0, 1) for r in (0, 1)), [])
+        assert got == expected
+    DtfTinyImages(data_dir=str(tmp_path / "tfrecord")).download_and_prepare()
+    streamed = tfds_source.load_info("dtf_tiny_images", str(tmp_path / "tfrecord"))
+    with pytest.raises(ValueError, match=r"cannot be read by index .* `python -m distrib_tf.data prepare "
+                                         r"--dataset=dtf_tiny_images --data_dir=.* --out=DIR` converts it once"):
+        data.check_random_access(streamed)
 
 
 def test_tfds_not_prepared_names_dataset_dir_and_command(tmp_path):
@@ -111,6 +119,9 @@ def test_tfds_not_prepared_names_dataset_dir_and_command(tmp_path):
 
 def test_unknown_dataset_and_bad_batch():
     message = r"Invalid value for `--dataset`\. Received: 'imagenet'\. Expected one of shapes, tokens, mnist"
+    with pytest.raises(ValueError, match=r"Received: 'tfrecord:/data', which has no random access\. .*"
+                                         r"`python -m distrib_tf.data prepare --dataset=tfrecord:/data --out=DIR`"):
+        data.load_info("tfrecord:/data")
     with pytest.raises(ValueError, match=message):
         data.load_info("imagenet")
     with pytest.raises(ValueError, match=r"Received: 10\. Expected a multiple of the 4 replicas, such as 8\."):
@@ -120,49 +131,67 @@ def test_unknown_dataset_and_bad_batch():
 
 
 @pytest.fixture(scope="module")
-def tokens_tfrecords(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("tokens_tfrecord"))
-    assert data.main(["prepare", "--dataset=tokens", f"--out={out}", "--num_shards=4"]) == 0
-    return out
+def prepared_shapes(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("shapes"))
+    assert data.main(["prepare", "--dataset=shapes", f"--out={out}", "--num_shards=4"]) == 0
+    return data.load_info(f"array_record:{out}")
 
 
-def test_tfrecords_read_back_the_same_examples(tokens_tfrecords):
-    info = data.load_info(f"tfrecord:{tokens_tfrecords}")
-    assert info.num_examples == data.load_info("tokens").num_examples
-    assert len([f for f in os.listdir(tokens_tfrecords) if f.startswith("train-")]) == 4
-    original = sorted(_fingerprints(data.load_source(data.load_info("tokens"), "test").batch(256), 8))
-    assert sorted(_fingerprints(data.load_source(info, "test").batch(256), 8)) == original
+def test_prepared_shards_hold_the_examples_in_id_order(prepared_shapes):
+    assert prepared_shapes.num_examples == data.load_info("shapes").num_examples
+    assert len([f for f in os.listdir(prepared_shapes.data_dir) if f.startswith("train-")]) == 4
+    for split in ("train", "test"):
+        original = _fingerprints(data.load_source(data.load_info("shapes"), split).batch(512), 4)
+        assert _fingerprints(data.load_source(prepared_shapes, split).batch(512), 4) == original
 
 
-@pytest.mark.parametrize("pipelines, replicas", [(1, 2), (2, 2), (2, 4), (4, 4)])
-def test_every_layout_trains_on_the_same_global_batches(tokens_tfrecords, pipelines, replicas):
-    """Replica r of any layout gets slice r of the one-process global batch, step by step."""
-    info = data.load_info(f"tfrecord:{tokens_tfrecords}")
-    steps = data.steps_per_epoch(info, "train", 32)
-    one = data.make_dataset_fn(info, "train", global_batch_size=32, seed=3)(tf.distribute.InputContext())
-    reference = [x.numpy() for x, _ in one.take(steps + 2)]  # Into the second epoch.
-    dataset_fn = data.make_dataset_fn(info, "train", global_batch_size=32, seed=3)
-    per_pipeline = [list(dataset_fn(tf.distribute.InputContext(pipelines, index, replicas))
-                         .take((steps + 2) * replicas // pipelines).as_numpy_iterator())
-                    for index in range(pipelines)]
+@pytest.mark.parametrize("pipelines, replicas, start_step", [(1, 1, 0), (2, 4, 0), (1, 2, 125)])
+def test_a_streamed_copy_gives_the_in_memory_batches_byte_for_byte(prepared_shapes, pipelines, replicas,
+                                                                    start_step):
+    """The same order for data held in memory and data read by index from disk."""
+    def batches(info, index):
+        dataset_fn = data.make_dataset_fn(info, "train", global_batch_size=64, seed=5, start_step=start_step)
+        return list(dataset_fn(tf.distribute.InputContext(pipelines, index, replicas)).take(12).as_numpy_iterator())
+
+    for index in range(pipelines):
+        for (x1, y1), (x2, y2) in zip(batches(data.load_info("shapes"), index), batches(prepared_shapes, index)):
+            assert x1.tobytes() == x2.tobytes() and y1.tobytes() == y2.tobytes()
+
+
+def _ids(pipelines, replicas, *, n, batch, seed=3, start_step=0, steps):
+    """Global batches of ids, step by step, put together from every pipeline of a layout."""
     local = replicas // pipelines
-    for step, expected in enumerate(reference):
-        got = np.concatenate([per_pipeline[p][step * local + r][0]
-                              for p in range(pipelines) for r in range(local)])
-        np.testing.assert_array_equal(got, expected)
-    assert len({_digest(row) for batch in reference[:steps] for row in batch}) == steps * 32
+    per_pipeline = [list(order.replica_batches(
+        num_examples=n, steps_per_epoch=n // batch, global_batch_size=batch, replicas=replicas,
+        pipeline=(index, pipelines), seed=seed, start_step=start_step).take(steps * local).as_numpy_iterator())
+        for index in range(pipelines)]
+    return [np.concatenate([per_pipeline[p][s * local + r] for p in range(pipelines) for r in range(local)])
+            for s in range(steps)]
+
+
+@pytest.mark.parametrize("n, batch", [(64, 4), (100, 8), (1000, 16)])
+def test_the_order_is_a_permutation_the_same_for_every_layout_and_resume(n, batch):
+    """No training: the ids alone. Each epoch's positions map to a permutation of the
+    examples; every layout gives the same global batches over 2 epochs; a resume at step s
+    equals the uninterrupted stream from s."""
+    steps = n // batch
+    reference = _ids(1, 1, n=n, batch=batch, steps=2 * steps)
+    for epoch in (0, 1):
+        every = order.example_ids(tf.range(n), epoch, num_examples=n, seed=3, shuffle=True).numpy()
+        assert sorted(every) == list(range(n))
+        trained = np.concatenate(reference[epoch * steps:(epoch + 1) * steps])
+        np.testing.assert_array_equal(trained, every[:steps * batch])
     assert not np.array_equal(reference[0], reference[steps])  # Each epoch its own order.
-
-
-def test_resuming_at_a_step_continues_the_same_stream():
-    info = data.load_info("shapes")
-    dataset_fn = data.make_dataset_fn(info, "train", global_batch_size=64, seed=1)
-    steps = data.steps_per_epoch(info, "train", 64)
-    whole = [x for x, _ in dataset_fn(tf.distribute.InputContext()).take(steps + 5).as_numpy_iterator()]
-    resumed_fn = data.make_dataset_fn(info, "train", global_batch_size=64, seed=1, start_step=steps - 3)
-    resumed = [x for x, _ in resumed_fn(tf.distribute.InputContext()).take(8).as_numpy_iterator()]
-    for a, b in zip(resumed, whole[steps - 3:]):
-        np.testing.assert_array_equal(a, b)
+    for pipelines, replicas in [(1, 2), (2, 2), (2, 4), (4, 4)]:
+        layout = _ids(pipelines, replicas, n=n, batch=batch, steps=2 * steps)
+        for expected, got in zip(reference, layout):
+            np.testing.assert_array_equal(got, expected)
+    for start in (1, steps - 1, steps, steps + 3):
+        resumed = _ids(2, 4, n=n, batch=batch, start_step=start, steps=4)
+        for expected, got in zip(reference[start:], resumed):
+            np.testing.assert_array_equal(got, expected)
+    test_order = order.example_ids(tf.range(n), 7, num_examples=n, seed=3, shuffle=False).numpy()
+    np.testing.assert_array_equal(test_order, np.arange(n))  # The test split keeps its order.
 
 
 @pytest.mark.multiworker
@@ -179,3 +208,60 @@ def test_two_workers_see_every_example_once_per_epoch(tmp_path):
     assert not first & second
     expected = {_digest(x) for x, _ in data.load_source(data.load_info("tokens"), "train").as_numpy_iterator()}
     assert first | second == expected
+
+
+PEAK_RSS = ("import atexit, resource, runpy, sys; atexit.register(lambda: print('peak_rss_kib', "
+            "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)); "
+            "sys.argv = ['distrib_tf.train', *sys.argv[1:]]; runpy.run_module('distrib_tf.train', run_name='__main__')")
+
+
+def _synthetic(out, gigabytes, shards):
+    """Random 64x64x3 uint8 images in `tensor` records, written in 1024-example batches."""
+    from distrib_tf.data import prepare  # pylint: disable=import-outside-toplevel
+    from distrib_tf.data import records  # pylint: disable=import-outside-toplevel
+
+    count = int(gigabytes * 2**30 / (64 * 64 * 3 + 8))
+    info = data.DatasetInfo("synthetic", "image", 10, (64, 64, 3), num_examples={"train": count, "test": 1024})
+    rng = np.random.default_rng(0)
+
+    def batches(total):
+        for start in range(0, total, 1024):
+            yield rng.integers(0, 256, (min(1024, total - start), 64, 64, 3), np.uint8), rng.integers(0, 10, 1024)
+
+    meta = prepare.tensor_meta(info, str(out), {split: batches(n) for split, n in info.num_examples.items()},
+                               num_shards=shards, dtype="uint8")
+    records.write_meta(str(out), {**meta, "format": "array_record"})
+    return f"array_record:{out}"
+
+
+def _peak_rss(dataset, model_dir):
+    results = check_ok(run_cluster(["-c", PEAK_RSS, f"--dataset={dataset}", "--epochs=1", "--steps_per_epoch=50",
+                                    "--global_batch_size=32", f"--model_dir={model_dir}"],
+                                   spec=local_spec(2), env=ENV, timeout=1800))
+    return [int(re.search(r"peak_rss_kib (\d+)", r.output).group(1)) * 1024 for r in results]
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_a_dataset_larger_than_memory_trains_with_the_memory_of_a_small_one(tmp_path):
+    """More bytes on disk than this machine has RAM: 50 steps on 2 workers, each worker's peak
+    memory within 256 MiB of the same job on a 1 GiB dataset."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    large = memory / 2**30 + 2
+    free = shutil.disk_usage(tmp_path).free / 2**30
+    assert free > large + 8, f"needs {large + 8:.0f} GiB free in {tmp_path}, has {free:.0f}"
+    small_rss = _peak_rss(_synthetic(tmp_path / "small", 1, 8), tmp_path / "small_run")
+    shutil.rmtree(tmp_path / "small")
+    large_dataset = _synthetic(tmp_path / "large", large, 64)
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "large").iterdir())
+    assert on_disk > memory, (on_disk, memory)
+    large_rss = _peak_rss(large_dataset, tmp_path / "large_run")
+    print(f"{on_disk / 2**30:.1f} GiB on disk, {memory / 2**30:.1f} GiB of RAM: peak RSS per worker "
+          f"{[round(r / 2**20) for r in large_rss]} MiB against {[round(r / 2**20) for r in small_rss]} MiB on 1 GiB")
+    report = os.environ.get("DISTRIB_TF_SOAK_REPORT")
+    if report:
+        with open(report + ".data.json", "w") as f:
+            json.dump({"bytes_on_disk": on_disk, "memory": memory, "peak_rss_large": large_rss,
+                       "peak_rss_1gib": small_rss}, f)
+    for big, small in zip(large_rss, small_rss):
+        assert big <= small + 256 * 2**20, (large_rss, small_rss)

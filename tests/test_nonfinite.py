@@ -1,6 +1,5 @@
 """NaN/Inf on one worker: every worker stops at the same step and names it, or rolls back."""
 
-import json
 import os
 
 import numpy as np
@@ -10,6 +9,7 @@ import tensorflow as tf
 from cluster_runner import local_spec
 from cluster_runner import run_cluster
 from distrib_tf import data
+from distrib_tf.data import prepare
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 ENV = {"PYTHONPATH": ROOT}
@@ -20,21 +20,9 @@ pytestmark = pytest.mark.multiworker
 
 
 def _write(directory, images, labels):
-    """A small `tfrecord:DIR` dataset: `images[split]`, `labels[split]`."""
-    os.makedirs(directory)
-    for split in ("train", "test"):
-        with tf.io.TFRecordWriter(os.path.join(directory, f"{split}-00000-of-00001.tfrecord")) as writer:
-            for x, y in zip(images[split], labels[split]):
-                feature = {
-                    "x": tf.train.Feature(bytes_list=tf.train.BytesList(value=[tf.io.serialize_tensor(x).numpy()])),
-                    "y": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(y)])),
-                }
-                writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
-    meta = {"name": f"tfrecord:{directory}", "kind": "image", "num_classes": 10, "input_shape": [28, 28, 1],
-            "num_examples": {"train": TRAIN, "test": TEST}}
-    with open(os.path.join(directory, "dataset.json"), "w") as f:
-        json.dump(meta, f)
-    return f"tfrecord:{directory}"
+    """A small prepared dataset: `images[split]`, `labels[split]`."""
+    return prepare.write_arrays(directory, data.load_info("shapes"),
+                                {split: (images[split], labels[split]) for split in ("train", "test")})
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from absl import logging as absl_logging
 import distrib_tf
 from distrib_tf import events
 from distrib_tf import exit_codes
+from distrib_tf.data import records
 from distrib_tf.keras import backup
 from distrib_tf.keras import nonfinite
 from distrib_tf.keras import preemption
@@ -78,9 +79,12 @@ def config_from_flags() -> TrainConfig:
     })
 
 
-def _fail(message: str, code: int = exit_codes.USAGE):
+def _fail(message: str, code: int = exit_codes.USAGE, *, now: bool = False):
     print(f"distrib-tf-train: error: {message}", file=sys.stderr, flush=True)
     events.emit("failed", error=message)
+    if now:  # Input pipelines that failed still have threads: tearing the interpreter down aborts.
+        sys.stdout.flush()
+        os._exit(code)
     sys.exit(code)
 
 
@@ -114,6 +118,8 @@ def main(argv):
               f"again to resume there (exit code {exit_codes.PREEMPTED})", flush=True)
         sys.exit(exit_codes.PREEMPTED)
     except Exception as e:  # The root cause, for the launcher; then the traceback as usual.
+        if (message := records.data_error_in(e)) is not None:  # A shard changed after prepare.
+            _fail(f"{job.task}: {message}", now=True)
         first_line = next(iter(str(e).strip().splitlines()), "")
         events.emit("failed", error=f"{type(e).__name__}: {first_line}")
         raise

@@ -66,6 +66,7 @@ def prepare_job(config: TrainConfig, model_dir: str) -> Job:
     strategy = make_strategy(config.strategy, cpu_replicas=config.cpu_replicas,
                              timeout_seconds=config.collective_timeout)
     info = data.load_info(config.dataset, data_dir=config.data_dir)
+    data.check_random_access(info)
     if info.kind != MODEL_KINDS[config.model]:
         invalid_flag("dataset", config.dataset,
                  f"a dataset of {MODEL_KINDS[config.model]}s for --model={config.model}")
