@@ -1,6 +1,6 @@
 """Markdown tables from the JSON the benchmarks wrote (what BENCHMARKS.md quotes).
 
-    python benchmarks/report.py [DIR]     # DIR: where results*.json, scaling.json, sync.json are
+    python benchmarks/report.py [DIR]     # DIR: where results*.json, scaling.json, data.json, sync.json are
 
 Prints every figure as median (min-max) over its repetitions; nothing is computed here
 that the JSON does not hold but ratios of its medians, named as such.
@@ -101,6 +101,26 @@ def sync_tables(sync) -> list[str]:
     return lines
 
 
+def data_tables(bench) -> list[str]:
+    mib = lambda v: {k: x / 2**20 for k, x in v.items() if k != "values"}  # noqa: E731
+    lines = [f"Run of {bench['environment']['date']}: {bench['environment']['machine']}; {bench['reps']} "
+             f"repetitions per side, 2 workers each, {bench['steps']} batches of {bench['global_batch_size'] // 2} "
+             f"per worker, records of {bench['record_bytes']} bytes, page cache warm; {bench['seconds']:.0f} s.", "",
+             "| dataset | peak RSS per worker, MiB | read / served | first batch at step 10, s | at step 100,000, s "
+             "| ratio | examples/s per worker | plain TFRecord | ours / TFRecord |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for size, row in bench["sizes"].items():
+        lines.append(f"| {size} GiB ({row['examples']} examples) | {fmt(mib(row['peak_rss_bytes']), 0)} | "
+                     f"{fmt(row['bytes_read_per_byte_served'], 2)} | {fmt(row['first_batch_seconds_at_10'], 3)} | "
+                     f"{fmt(row['first_batch_seconds_at_100000'], 3)} | {fmt(row['resume_ratio'], 2)} | "
+                     f"{fmt(row['examples_per_second'], 0)} | {fmt(row['tfrecord_examples_per_second'], 0)} | "
+                     f"{fmt(row['throughput_ratio'], 2)} |")
+    if "rss_growth_bytes" in bench:
+        lines += ["", f"Peak RSS growth from the smallest to the largest dataset (medians): "
+                      f"{bench['rss_growth_bytes'] / 2**20:+.0f} MiB (goal: within +256 MiB)."]
+    return lines
+
+
 def main():
     folder = sys.argv[1] if len(sys.argv) > 1 else HERE
     results = _load(folder, "results.json")
@@ -109,6 +129,9 @@ def main():
     scaling = _load(folder, "scaling.json")
     if scaling:
         print("\n".join(["## make bench-scaling", ""] + scaling_tables(scaling) + [""]))
+    bench_data = _load(folder, "data.json")
+    if bench_data:
+        print("\n".join(["## make bench-data", ""] + data_tables(bench_data) + [""]))
     sync = _load(folder, "sync.json")
     if sync:
         print("\n".join(["## make bench-sync", ""] + sync_tables(sync)))

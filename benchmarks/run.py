@@ -1,6 +1,6 @@
 """`make bench`: distrib_tf against baselines run side by side, interleaved, repeated.
 
-    python benchmarks/run.py [--tiny] [--reps=5] [--out=DIR]
+    python benchmarks/run.py [--tiny] [--reps=5] [--parts=p1,p2,p3,p4] [--out=DIR]
 
 Each figure compares two sides measured in this run, alternately (A B, B A, A B, ...),
 `--reps` times each; `results.json` holds every value with its min, median and max, and
@@ -227,35 +227,40 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a toy size, to check that the scripts run")
     parser.add_argument("--reps", type=int, default=5, help="repetitions per side (default 5)")
+    parser.add_argument("--parts", default="p1,p2,p3,p4",
+                        help="which figures (default all); a subset is written to results.PARTS.json")
     parser.add_argument("--out", default=HERE, help="where results.json and allreduce.png go")
     args = parser.parse_args(argv)
-    if shutil.which("iperf3") is None:
+    parts = args.parts.split(",")
+    if "p3" in parts and shutil.which("iperf3") is None:
         sys.exit("benchmarks/run.py: error: P3 needs iperf3 (apt-get install iperf3)")
     reps = 1 if args.tiny else args.reps
     started = time.time()
     results = {"environment": environment(), "reps": reps}
+    sizes = {  # part: (tiny, full) keyword arguments
+        "p1": ({"epochs": 2, "steps": 3}, {"epochs": 3, "steps": 80}),
+        "p2": ({"steps": 6}, {"steps": 40}),
+        "p3": ({"sizes_mb": [0.1, 1]}, {"sizes_mb": [0.1, 0.25, 1, 4, 16, 64, 256]}),
+        "p4": ({"epochs": 1, "steps": 2}, {"epochs": 1, "steps": 20}),
+    }
+    benches = {"p1": bench_p1, "p2": bench_p2, "p3": bench_p3, "p4": bench_p4}
     with tempfile.TemporaryDirectory() as scratch:
-        if args.tiny:
-            results.update(bench_p1(scratch, reps=reps, epochs=2, steps=3))
-            results.update(bench_p2(scratch, reps=reps, steps=6))
-            results.update(bench_p3(scratch, reps=2, sizes_mb=[0.1, 1]))
-            results.update(bench_p4(scratch, reps=reps, epochs=1, steps=2))
-        else:
-            results.update(bench_p1(scratch, reps=reps, epochs=3, steps=80))
-            results.update(bench_p2(scratch, reps=reps, steps=40))
-            results.update(bench_p3(scratch, reps=reps, sizes_mb=[0.1, 0.25, 1, 4, 16, 64, 256]))
-            results.update(bench_p4(scratch, reps=reps, epochs=1, steps=20))
+        for part in parts:
+            part_reps = 2 if args.tiny and part == "p3" else reps
+            results.update(benches[part](scratch, reps=part_reps, **sizes[part][0 if args.tiny else 1]))
     results["seconds"] = time.time() - started
     os.makedirs(args.out, exist_ok=True)
-    if os.path.exists(os.path.join(args.out, "results.json")):  # Kept, to compare two runs.
-        os.replace(os.path.join(args.out, "results.json"), os.path.join(args.out, "results.previous.json"))
-    with open(os.path.join(args.out, "results.json"), "w") as f:
+    name = "results.json" if sorted(parts) == sorted(benches) else f"results.{'-'.join(parts)}.json"
+    if name == "results.json" and os.path.exists(os.path.join(args.out, name)):  # Kept, to compare two runs.
+        os.replace(os.path.join(args.out, name), os.path.join(args.out, "results.previous.json"))
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump(results, f, indent=1)
-    plot_allreduce(results, os.path.join(args.out, "allreduce.png"))
+    if "p3" in parts:
+        plot_allreduce(results, os.path.join(args.out, "allreduce.png"))
     for key, value in results.items():
         if key.endswith("ratio") or key.startswith("p2_pipeline_ratio"):
             print(f"{key}: {value['median']:.3f} (min {value['min']:.3f}, max {value['max']:.3f})")
-    print(f"wrote {os.path.join(args.out, 'results.json')} in {results['seconds']:.0f} s")
+    print(f"wrote {os.path.join(args.out, name)} in {results['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

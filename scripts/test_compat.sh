@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# `make test-compat`: the Keras compat tests once per Keras minor that setup.cfg declares,
-# each in an environment of its own. Each is a venv holding its own Keras, the newest
+# `make test-compat`: the Keras compat tests once per Keras minor that setup.cfg declares
+# (but .venv's own, which `make test` runs), each in an environment of its own. Each is a venv holding its own Keras, the newest
 # release of that minor; TensorFlow, the test tools and distrib_tf come from .venv
 # through a .pth file (its own Keras comes first on sys.path).
 #   scripts/test_compat.sh [PYTEST_ARGS...]
@@ -17,8 +17,14 @@ low, high = re.fullmatch(r"keras>=3\.(\d+),<3\.(\d+)", requirement.strip()).grou
 print(" ".join(str(m) for m in range(int(low), int(high))))
 PY
 )
+# .venv's own Keras minor is covered by `make test`, which runs the same tests with it.
+base_minor=$(TF_CPP_MIN_LOG_LEVEL=3 "$base/bin/python" -c 'import keras; print(keras.__version__.split(".")[1])' 2>/dev/null)
 failed=()
 for minor in $minors; do
+  if [ "$minor" = "$base_minor" ]; then
+    echo "== Keras 3.$minor: .venv's own, run by make test"
+    continue
+  fi
   env=".compat/keras-3.$minor"
   if [ ! -f "$env/.installed" ]; then
     rm -rf "$env"

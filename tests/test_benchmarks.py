@@ -51,3 +51,20 @@ def test_shaped_link_benchmarks_run_at_a_tiny_size(tmp_path, name, check):
     with open(tmp_path / f"{name}.json") as f:
         assert check(json.load(f))
     assert (tmp_path / f"{name}.png").stat().st_size > 1000
+
+
+def test_the_data_benchmark_runs_at_a_tiny_size(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "data.py"), "--sizes_gb=0.02,0.2",
+                             "--reps=1", "--steps=5", f"--dir={tmp_path / 'data'}", f"--out={tmp_path / 'data.json'}"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "data.json") as f:
+        results = json.load(f)
+    assert set(results["sizes"]) == {"0.02", "0.2"}
+    for row in results["sizes"].values():
+        assert row["examples_per_second"]["median"] > 0 and row["tfrecord_examples_per_second"]["median"] > 0
+    # 17 batches of 128 served from 17,000 examples: reading the split would be 8 times as much.
+    assert 0.5 < results["sizes"]["0.2"]["bytes_read_per_byte_served"]["median"] < 2
+    report = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "report.py"), str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert "## make bench-data" in report.stdout and "| 0.2 GiB" in report.stdout, report.stderr

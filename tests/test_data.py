@@ -221,6 +221,7 @@ def _synthetic(out, gigabytes, shards):
     from distrib_tf.data import records  # pylint: disable=import-outside-toplevel
 
     count = int(gigabytes * 2**30 / (64 * 64 * 3 + 8))
+    os.makedirs(out)
     info = data.DatasetInfo("synthetic", "image", 10, (64, 64, 3), num_examples={"train": count, "test": 1024})
     rng = np.random.default_rng(0)
 

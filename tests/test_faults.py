@@ -1,8 +1,10 @@
 """Fault injection: workers killed at random moments, hosts cut off. Real jobs, real signals.
 
-`make test` runs a small soak (3 random faults, SIGKILL or SIGTERM, its seed printed) and
-one trial of the others; `make soak` runs `DISTRIB_TF_SOAK_TRIALS` (default 10) and writes
-the figures to `DISTRIB_TF_SOAK_REPORT` if set.
+`make test` runs one trial of the deterministic faults (a host cut off, a kill during a
+backup's commit); `make soak` adds the random ones: a small soak (3 random faults,
+SIGKILL or SIGTERM, its seed printed) and `DISTRIB_TF_SOAK_TRIALS` (default 10), writing
+the figures to `DISTRIB_TF_SOAK_REPORT` if set. The kill and preemption paths they take
+are tested one by one in `make test` (test_launch.py, test_preemption.py, test_train.py).
 """
 
 import json
@@ -130,6 +132,7 @@ def _soak(tmp_path, trials: int, seed: int) -> dict:
     return report
 
 
+@pytest.mark.slow
 def test_small_soak_of_random_kills_and_preemptions(tmp_path):
     seed = int(os.environ.get("DISTRIB_TF_FAULT_SEED", os.getpid()))
     report = _soak(tmp_path, 3, seed)

@@ -203,3 +203,25 @@ def test_a_record_changed_after_prepare_is_named_at_read_time(tmp_path):
                           "--epochs=1", "--steps_per_epoch=2", f"--model_dir={tmp_path / 'run'}"],
                          capture_output=True, text=True, env=ENV, timeout=300, cwd=ROOT)
     assert run.returncode == 2 and f"distrib-tf-train: error: chief:0: {expected}" in run.stderr, run.stderr[-2000:]
+
+
+EXITS_MID_PIPELINE = """
+import sys
+import tensorflow as tf
+from distrib_tf import data
+info = data.load_info(sys.argv[1])
+iterator = iter(data.make_dataset_fn(info, "train", global_batch_size=64)(tf.distribute.InputContext()))
+for _ in range(3):
+    next(iterator)
+print("done", flush=True)
+"""
+
+
+def test_a_script_may_exit_while_its_pipeline_prefetches(tmp_path):
+    """Without `records.ExitGuard` this aborted ('terminate called without an active exception')
+    or hung in every run tried: tf.data's threads calling into Python during its finalization."""
+    info = prepare.prepare("tokens", str(tmp_path / "tokens"), num_shards=2)
+    for _ in range(3):  # Without the guard 2 runs of 3 aborted here.
+        run = subprocess.run([sys.executable, "-c", EXITS_MID_PIPELINE, info.name], capture_output=True, text=True,
+                             env=ENV, timeout=120, cwd=ROOT)
+        assert run.returncode == 0 and run.stdout == "done\n", (run.returncode, run.stderr[-2000:])

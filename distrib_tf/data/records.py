@@ -22,11 +22,15 @@ Example id `k` of a split is record `k` of its files taken in order. Two encodin
 the number of records `dataset.json` says. Every mistake is one line naming the file.
 """
 
+import atexit
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import threading
+import time
+import weakref
 
 import numpy as np
 from array_record.python import array_record_module
@@ -155,17 +159,71 @@ def check_shard(path: str, expected: int) -> None:
                         f"{os.path.join(os.path.dirname(path), META)} says {expected}.")
 
 
+class ExitGuard:
+    """Keeps a `tf.numpy_function` of an input pipeline from running while Python exits.
+
+    tf.data calls such functions from its own threads. A pipeline still prefetching when a
+    script ends was destroyed during the interpreter's finalization, with calls waiting
+    for Python: the process aborted or hung. At exit (`atexit`) every guard refuses new
+    calls, which then fail at once (a pipeline stops calling once its buffers hold the
+    failures), waits until calls have stopped coming, and runs `on_close`.
+    """
+
+    def __init__(self, on_close=None):
+        self._on_close, self._lock = on_close, threading.Condition()
+        self._active, self._closed, self._last_call = 0, False, 0.0
+        _GUARDS.add(self)
+
+    @contextlib.contextmanager
+    def call(self):
+        with self._lock:
+            self._last_call = time.monotonic()
+            if self._closed:
+                raise DataError("The process is exiting: its input pipelines are closed.")
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                self._lock.notify_all()
+
+    def close(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._closed = True
+            while time.monotonic() < deadline:
+                self._lock.wait_for(lambda: self._active == 0, max(deadline - time.monotonic(), 0))
+                quiet = time.monotonic() - self._last_call
+                if quiet >= _QUIET:
+                    break
+                self._lock.wait(_QUIET - quiet)
+            if self._on_close:
+                self._on_close()
+
+
+_GUARDS: "weakref.WeakSet[ExitGuard]" = weakref.WeakSet()
+_QUIET = 0.2  # Seconds without a call after which a closing guard's pipelines are taken as stopped.
+
+
+@atexit.register
+def _close_guards() -> None:
+    for guard in list(_GUARDS):
+        guard.close()
+
+
 class RecordReader:
     """Reads records of one split by example id, a batch at a time, one call per file.
 
     Each file's reader is opened on first use in the process that reads (an input
     pipeline's) and reads its positions of a batch in parallel (ArrayRecord's own threads);
-    tf.data runs several batches at once.
+    tf.data runs several batches at once. At exit the files are closed (`ExitGuard`).
     """
 
     def __init__(self, shards: Shards, *, record_bytes: int | None = None):
         self.shards, self.record_bytes = shards, record_bytes
         self._readers, self._lock = {}, threading.Lock()
+        self._guard = ExitGuard(on_close=self._close_files)
 
     def _reader(self, index: int):
         with self._lock:
@@ -177,15 +235,23 @@ class RecordReader:
     def __call__(self, ids: np.ndarray) -> np.ndarray:
         files, positions = self.shards.locate(np.asarray(ids, dtype=np.int64))
         found = np.empty(len(files), dtype=object)
-        for index in np.unique(files):
-            rows = np.flatnonzero(files == index)
-            found[rows] = self._reader(int(index)).read([int(p) for p in positions[rows]])
-            if self.record_bytes is not None:
-                for row in rows:
-                    if len(found[row]) != self.record_bytes:
-                        raise DataError(f"Record {positions[row]} of {self.shards.paths[index]} has {len(found[row])} "
-                                        f"bytes. Expected {self.record_bytes}: the shard changed after prepare.")
+        with self._guard.call():
+            for index in np.unique(files):
+                rows = np.flatnonzero(files == index)
+                found[rows] = self._reader(int(index)).read([int(p) for p in positions[rows]])
+        if self.record_bytes is not None:
+            for row in range(len(found)):
+                if len(found[row]) != self.record_bytes:
+                    raise DataError(f"Record {positions[row]} of {self.shards.paths[files[row]]} has "
+                                    f"{len(found[row])} bytes. Expected {self.record_bytes}: the shard changed "
+                                    "after prepare.")
         return found
+
+    def _close_files(self) -> None:
+        with self._lock:
+            for reader in self._readers.values():
+                reader.close()
+            self._readers.clear()
 
 
 class ShardWriter:

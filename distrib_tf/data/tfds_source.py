@@ -10,6 +10,7 @@ text is tokenized in the graph, a batch at a time.
 import numpy as np
 import tensorflow as tf
 
+from distrib_tf.data import records
 from distrib_tf.data import registry
 
 
@@ -64,9 +65,11 @@ def make_reader(info: registry.DatasetInfo, split: str):
     """`read(ids) -> (x, y)` for `tf.data`: the examples of a batch of ids, decoded."""
     source = data_source(info, split)
     feature = "text" if info.kind == "text" else "image"
+    guard = records.ExitGuard()
 
     def fetch(ids):
-        examples = [source[int(i)] for i in ids]
+        with guard.call():
+            examples = [source[int(i)] for i in ids]
         labels = np.array([e["label"] for e in examples], np.int64)
         if feature == "text":
             return np.array([e["text"] for e in examples], dtype=object), labels

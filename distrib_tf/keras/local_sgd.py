@@ -163,11 +163,14 @@ class PeriodicSync(keras.callbacks.Callback):
         weights = self.model.weights
         if self._average_fn is None:
             shapes = [tuple(w.shape) for w in weights]
+            # The widest of the weights' types: float64 weights are averaged in float64.
+            dtype = tf.float64 if any(tf.as_dtype(w.dtype) == tf.float64 for w in weights) else tf.float32
+            self._bytes_per_element = dtype.size
 
             @tf.function
             def average():
                 def replica_fn():
-                    flat = tf.concat([tf.reshape(tf.cast(w.value, tf.float32), [-1]) for w in weights], 0)
+                    flat = tf.concat([tf.reshape(tf.cast(w.value, dtype), [-1]) for w in weights], 0)
                     return tf.distribute.get_replica_context().all_reduce("MEAN", flat)
                 return self.strategy.run(replica_fn)
 
@@ -192,7 +195,8 @@ class PeriodicSync(keras.callbacks.Callback):
             weight.assign(value.astype(weight.dtype))
         replicas = self.strategy.num_replicas_in_sync
         self.syncs += 1
-        self.bytes_per_worker += int(sum(v.size for v in averaged) * 4 * 2 * (replicas - 1) / max(replicas, 1))
+        self.bytes_per_worker += int(sum(v.size for v in averaged) * self._bytes_per_element * 2 * (replicas - 1)
+                                     / max(replicas, 1))
 
     def on_train_begin(self, logs=None):
         # Equal weights first (a resumed job's workers backed up their own), then the anchor.

@@ -24,16 +24,11 @@ from absl import flags
 from absl import logging as absl_logging
 
 import distrib_tf
+from distrib_tf import cluster
 from distrib_tf import events
 from distrib_tf import exit_codes
-from distrib_tf.data import records
-from distrib_tf.keras import backup
-from distrib_tf.keras import nonfinite
-from distrib_tf.keras import preemption
 from distrib_tf.train.config import MODELS
 from distrib_tf.train.config import TrainConfig
-from distrib_tf.train.job import prepare_job
-from distrib_tf.train.job import run_job
 
 FLAGS = flags.FLAGS
 
@@ -100,10 +95,22 @@ def main(argv):
     distrib_tf.log_to_stderr()
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; flags look like --epochs=3")
-    try:
+    try:  # The flags and TF_CONFIG first, without TensorFlow: a typo is answered in a moment.
         config = config_from_flags()
+        cluster.load_tf_config()
+    except ValueError as e:  # ClusterSpecError is a ValueError.
+        _fail(str(e))
+    # pylint: disable=import-outside-toplevel  (TensorFlow from here on)
+    from distrib_tf.data import records
+    from distrib_tf.keras import backup
+    from distrib_tf.keras import nonfinite
+    from distrib_tf.keras import preemption
+    from distrib_tf.train.job import prepare_job
+    from distrib_tf.train.job import run_job
+
+    try:
         job = prepare_job(config, FLAGS.model_dir or os.path.join("runs", config.model))
-    except (ValueError, FileNotFoundError) as e:  # ClusterSpecError is a ValueError.
+    except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
     if not job.is_evaluator:
         preemption.install_sigterm_handler()

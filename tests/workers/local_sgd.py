@@ -1,8 +1,9 @@
 """A Keras user's model under periodic averaging, recording its weights around each sync.
 
-    local_sgd.py OUT SYNC OPTIMIZER
+    local_sgd.py OUT SYNC OPTIMIZER [DTYPE]
 
-SYNC: `step` (synchronous training) or `every:N`; OPTIMIZER: `sgd`, `momentum` or `adam`.
+SYNC: `step` (synchronous training) or `every:N`; OPTIMIZER: `sgd`, `momentum` or `adam`;
+DTYPE: `float32` (default) or `float64`, the model's.
 Each process writes OUT/<task>.json: the fingerprint of its weights just before and just
 after each sync, and its final weights.
 """
@@ -39,12 +40,14 @@ class RecordingSync(PeriodicSync):
 
 def main():
     out, sync, optimizer = sys.argv[1], sys.argv[2], sys.argv[3]
+    dtype = sys.argv[4] if len(sys.argv) > 4 else "float32"
+    keras.config.set_floatx(dtype)
     resolver = getattr(strategy, "cluster_resolver", None)
     task = f"{resolver.task_type}_{resolver.task_id}" if resolver and resolver.task_type else "single"
     keras.utils.set_random_seed(3)
     rng = np.random.default_rng(5)
-    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 6)).astype("float32")
-    y = (x @ rng.normal(size=(6, 1))).astype("float32")
+    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 6)).astype(dtype)
+    y = (x @ rng.normal(size=(6, 1))).astype(dtype)
 
     def dataset_fn(context):  # Global batches in order; each replica takes its own slice.
         per_replica = context.get_per_replica_batch_size(GLOBAL_BATCH)
