@@ -22,7 +22,7 @@ import keras  # noqa: E402
 
 from distrib_tf import data  # noqa: E402
 from distrib_tf.train import TrainConfig  # noqa: E402
-from distrib_tf.train import build_compiled_model  # noqa: E402
+from distrib_tf.train.job import build_compiled_model  # noqa: E402
 
 
 class StepTimes(keras.callbacks.Callback):
@@ -39,7 +39,8 @@ class StepTimes(keras.callbacks.Callback):
 
 def main():
     model_name, global_batch, steps, reps, out = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]
-    config = TrainConfig(model=model_name, global_batch_size=global_batch)
+    dataset = sys.argv[6] if len(sys.argv) > 6 else ""  # Default: the model's offline dataset.
+    config = TrainConfig(model=model_name, dataset=dataset, global_batch_size=global_batch)
     info = data.load_info(config.dataset)
     model = build_compiled_model(config, info, strategy)
     real_fn = data.make_dataset_fn(info, "train", global_batch_size=global_batch, seed=0)

@@ -30,6 +30,7 @@ RATIOS = [
     ("p1_wall_per_epoch_ratio", "—", "P1: wall time per epoch (validation, backups, checkpoints on our side)"),
     ("p2_pipeline_ratio_cnn", "≤ 1.05", "P2: step time, real pipeline / one cached batch, CNN, 2 workers"),
     ("p2_pipeline_ratio_transformer", "≤ 1.05", "P2: the same, transformer"),
+    ("p2_pipeline_ratio_cnn_streamed", "≤ 1.05", "P2: the same, CNN on shapes read from ArrayRecord shards"),
     ("p4_first_step_ratio", "≤ 1.1", "P4: seconds to the first step, launcher / by hand"),
     ("p4_total_ratio", "≤ 1.1", "P4: seconds to the end, launcher / by hand"),
 ]
@@ -42,7 +43,8 @@ def bench_tables(results, previous) -> list[str]:
              "| figure | this run | previous run | goal | what |", "| --- | --- | --- | --- | --- |"]
     for key, goal, what in RATIOS:
         before = fmt(previous[key]) if previous and key in previous else "—"
-        lines.append(f"| `{key}` | {fmt(results[key])} | {before} | {goal} | {what} |")
+        now = fmt(results[key]) if key in results else "—"
+        lines.append(f"| `{key}` | {now} | {before} | {goal} | {what} |")
     lines += ["", "| side | P1 step seconds | P1 wall seconds per epoch | P4 s to first step | P4 s total |",
               "| --- | --- | --- | --- | --- |"]
     for ours, theirs, label in (("distrib_tf", "launcher", "distrib_tf / launcher"),
@@ -106,12 +108,14 @@ def data_tables(bench) -> list[str]:
     lines = [f"Run of {bench['environment']['date']}: {bench['environment']['machine']}; {bench['reps']} "
              f"repetitions per side, 2 workers each, {bench['steps']} batches of {bench['global_batch_size'] // 2} "
              f"per worker, records of {bench['record_bytes']} bytes, page cache warm; {bench['seconds']:.0f} s.", "",
-             "| dataset | peak RSS per worker, MiB | read / served | first batch at step 10, s | at step 100,000, s "
+             "| dataset | peak RSS per worker, MiB | MiB read per worker (read / served) | first batch at step 10, s "
+             "| at step 100,000, s "
              "| ratio | examples/s per worker | plain TFRecord | ours / TFRecord |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for size, row in bench["sizes"].items():
         lines.append(f"| {size} GiB ({row['examples']} examples) | {fmt(mib(row['peak_rss_bytes']), 0)} | "
-                     f"{fmt(row['bytes_read_per_byte_served'], 2)} | {fmt(row['first_batch_seconds_at_10'], 3)} | "
+                     f"{fmt(mib(row['bytes_read']), 0)} ({row['bytes_read_per_byte_served']['median']:.2f}) | "
+                     f"{fmt(row['first_batch_seconds_at_10'], 3)} | "
                      f"{fmt(row['first_batch_seconds_at_100000'], 3)} | {fmt(row['resume_ratio'], 2)} | "
                      f"{fmt(row['examples_per_second'], 0)} | {fmt(row['tfrecord_examples_per_second'], 0)} | "
                      f"{fmt(row['throughput_ratio'], 2)} |")

@@ -13,7 +13,8 @@ compare two runs). `--tiny` runs every part at a toy size, to check the scripts.
   (the same timer on both sides), and wall time per epoch after the first (validation,
   backups and checkpoints included on distrib_tf's side; the baseline has none).
 - P2: step time on the real input pipeline / on one cached batch repeated, in the same
-  run, on 2 workers (`pipeline.py`). Goal <= 1.05.
+  run, on 2 workers (`pipeline.py`): each model on its offline dataset, and the CNN on
+  `shapes` read from ArrayRecord shards. Goal <= 1.05.
 - P3: all-reduce bus bandwidth of 2 workers (nccl-tests' definition: for 2 ranks, the
   bytes reduced / seconds) / the per-direction rate `iperf3 --bidir` measures between two
   processes over the same path (loopback), by size from 100 KB (the gradients of our
@@ -125,14 +126,19 @@ def bench_p1(scratch, *, reps, epochs, steps, model="cnn") -> dict:
 
 
 def bench_p2(scratch, *, reps, steps) -> dict:
+    """The two models on their offline datasets (in memory), and the CNN on `shapes` read from
+    ArrayRecord shards (`cnn_streamed`)."""
+    subprocess.run([PY, "-m", "distrib_tf.data", "prepare", "--dataset=shapes", f"--out={scratch}/shapes"],
+                   env=ENV, check=True, capture_output=True)
     results = {}
-    for model in ("cnn", "transformer"):
-        out = f"{scratch}/p2_{model}.json"
-        launched([PY, os.path.join(HERE, "pipeline.py"), model, "64", str(steps), str(reps), out])
+    for name, model, dataset in (("cnn", "cnn", ""), ("transformer", "transformer", ""),
+                                 ("cnn_streamed", "cnn", f"array_record:{scratch}/shapes")):
+        out = f"{scratch}/p2_{name}.json"
+        launched([PY, os.path.join(HERE, "pipeline.py"), model, "64", str(steps), str(reps), out, dataset])
         with open(out) as f:
             times = json.load(f)
-        results[f"p2_pipeline_ratio_{model}"] = spread(r / c for r, c in zip(times["real"], times["cached"]))
-        results[f"p2_step_seconds_{model}"] = {side: spread(v) for side, v in times.items()}
+        results[f"p2_pipeline_ratio_{name}"] = spread(r / c for r, c in zip(times["real"], times["cached"]))
+        results[f"p2_step_seconds_{name}"] = {side: spread(v) for side, v in times.items()}
     return results
 
 
