@@ -1,8 +1,9 @@
 """The main job's data: datasets by name, an order that no layout changes, readers by index.
 
-- `registry`: the datasets and what each one is (`load_info`);
+- `registry`: the datasets and what each one is;
 - `order`: which example ids each replica trains on at each global step;
-- `readers`: those examples, read by index and decoded in the graph;
+- `readers`: any dataset's description (`load_info`) and its examples, read by index and
+  decoded in the graph (`tfds_source` for TFDS);
 - `pipeline`: `make_dataset_fn`, the three together for `tf.distribute`;
 - `records`, `prepare`: ArrayRecord shards on disk, and `python -m distrib_tf.data prepare`.
 """

@@ -1,11 +1,14 @@
-"""Readers: the examples of a batch of ids, for any dataset, decoded in the graph.
+"""Readers: any dataset's description, and the examples of a batch of ids, decoded in the graph.
+
+`load_info(name)` describes a dataset (checking prepared shards before anything trains).
 
 `make_reader(info, split)` returns `read(ids) -> (x, y)`, a function for `tf.data` that
 takes a vector of example ids (`distrib_tf.data.order`) and returns that batch:
 
 - offline datasets: gathered from the arrays in memory (they are small);
 - `array_record:DIR`: the records fetched by index from the ArrayRecord shards (a batch
-  at a time, the files of a batch in parallel, in the input pipeline's own threads), then
+  at a time, one read per file of the batch, several batches at once in the input
+  pipeline's threads), then
   decoded in the graph: raw tensors by `tf.io.decode_raw`, images by `tf.io.decode_image`
   and resized, on the worker that trains on them and for its own examples only;
 - TFDS datasets: through `tfds.data_source` (`distrib_tf.data.tfds_source`).
