@@ -210,27 +210,21 @@ _QUIET = 0.2  # Seconds without a call after which a closing guard's pipelines a
 def _close_guards() -> None:
     for guard in list(_GUARDS):
         guard.close()
+    _close_files()
 
 
 class RecordReader:
     """Reads records of one split by example id, a batch at a time, one call per file.
 
-    Each file's reader is opened on first use in the process that reads (an input
-    pipeline's) and reads its positions of a batch in parallel (ArrayRecord's own threads);
-    tf.data runs several batches at once. At exit the files are closed (`ExitGuard`).
+    The files are opened on first use, once per process whatever the number of pipelines
+    (each `fit`, validation and evaluate builds its own), and read a batch's positions in
+    parallel (ArrayRecord's own threads); tf.data runs several batches at once. At exit the
+    files are closed (`ExitGuard`).
     """
 
     def __init__(self, shards: Shards, *, record_bytes: int | None = None):
         self.shards, self.record_bytes = shards, record_bytes
-        self._readers, self._lock = {}, threading.Lock()
-        self._guard = ExitGuard(on_close=self._close_files)
-
-    def _reader(self, index: int):
-        with self._lock:
-            if index not in self._readers:  # Options as for random access (array_record's data source).
-                self._readers[index] = array_record_module.ArrayRecordReader(
-                    self.shards.paths[index], "readahead_buffer_size:0", file_reader_buffer_size=32768)
-            return self._readers[index]
+        self._guard = ExitGuard()
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
         files, positions = self.shards.locate(np.asarray(ids, dtype=np.int64))
@@ -238,7 +232,7 @@ class RecordReader:
         with self._guard.call():
             for index in np.unique(files):
                 rows = np.flatnonzero(files == index)
-                found[rows] = self._reader(int(index)).read([int(p) for p in positions[rows]])
+                found[rows] = _open(self.shards.paths[index]).read([int(p) for p in positions[rows]])
         if self.record_bytes is not None:
             for row in range(len(found)):
                 if len(found[row]) != self.record_bytes:
@@ -247,11 +241,24 @@ class RecordReader:
                                     "after prepare.")
         return found
 
-    def _close_files(self) -> None:
-        with self._lock:
-            for reader in self._readers.values():
-                reader.close()
-            self._readers.clear()
+
+_FILES: dict = {}  # Path: its ArrayRecordReader, shared by every pipeline of the process.
+_FILES_LOCK = threading.Lock()
+
+
+def _open(path: str):
+    with _FILES_LOCK:
+        if path not in _FILES:  # Options as for random access (array_record's data source).
+            _FILES[path] = array_record_module.ArrayRecordReader(
+                path, "readahead_buffer_size:0", file_reader_buffer_size=32768)
+        return _FILES[path]
+
+
+def _close_files() -> None:
+    with _FILES_LOCK:
+        for reader in _FILES.values():
+            reader.close()
+        _FILES.clear()
 
 
 class ShardWriter:
