@@ -21,7 +21,6 @@ Both sides read from the page cache (each file is read once before the runs). Wr
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -130,7 +129,8 @@ def worker(args) -> dict:
     for _ in range(args.steps):
         next(iterator)
     out["examples_per_second"] = args.steps * GLOBAL_BATCH / 2 / (time.perf_counter() - started)
-    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/status", encoding="utf-8") as f:  # VmHWM: ru_maxrss keeps the parent's across exec.
+        out["peak_rss_bytes"] = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     out["bytes_read"] = _rchar() - rchar
     served = (args.steps + 10) * GLOBAL_BATCH // 2
     out["bytes_read_per_byte_served"] = out["bytes_read"] / (served * RECORD)

@@ -210,8 +210,10 @@ def test_two_workers_see_every_example_once_per_epoch(tmp_path):
     assert first | second == expected
 
 
-PEAK_RSS = ("import atexit, resource, runpy, sys; atexit.register(lambda: print('peak_rss_kib', "
-            "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)); "
+# The process's own peak (VmHWM): getrusage's ru_maxrss keeps the parent's peak across exec,
+# so a worker started by this test process reported the test's 2.25 GB as its own.
+PEAK_RSS = ("import atexit, re, runpy, sys; atexit.register(lambda: print('peak_rss_kib', re.search("
+            "r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1), flush=True)); "
             "sys.argv = ['distrib_tf.train', *sys.argv[1:]]; runpy.run_module('distrib_tf.train', run_name='__main__')")
 
 
