@@ -17,6 +17,7 @@ from cluster_runner import QUIET_TF
 from distrib_tf import data
 from distrib_tf.data import prepare
 from distrib_tf.data import readers
+from distrib_tf.data import records
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
@@ -63,7 +64,7 @@ def test_an_image_folder_is_decoded_and_resized_in_the_pipeline(tmp_path):
     # Example k of the pipeline is the k-th file of its split, decoded and resized exactly so.
     files = {split: [] for split in ("train", "test")}
     for split in files:
-        for record in readers.records.RecordReader(readers.records.split_shards(
+        for record in records.RecordReader(records.split_shards(
                 info.data_dir, meta, split))(np.arange(info.num_examples[split])):
             example = tf.io.parse_single_example(record, readers.IMAGE_FEATURES)
             files[split].append((example["image/encoded"].numpy(), int(example["image/class/label"])))
@@ -91,10 +92,6 @@ def test_the_main_job_trains_on_a_prepared_image_folder(tmp_path):
     assert summary["epochs"][0]["loss"] > 0
 
 
-def _example(encoded, label):
-    return prepare.image_record(encoded, label)
-
-
 def test_tfrecords_with_the_common_image_features_convert_in_one_command(tmp_path):
     source = tmp_path / "tfrecords"
     source.mkdir()
@@ -104,7 +101,7 @@ def test_tfrecords_with_the_common_image_features_convert_in_one_command(tmp_pat
         with tf.io.TFRecordWriter(str(source / name)) as writer:
             for i, label in enumerate(labels):
                 encoded = tf.io.encode_jpeg(_image(label * 10 + i, 12, 12)).numpy()
-                writer.write(_example(encoded, label))
+                writer.write(prepare.image_record(encoded, label))
                 written.setdefault(name[:5], []).append((encoded, label))
     result = _prepare(f"--dataset=tfrecord:{source}", f"--out={tmp_path / 'out'}", "--image_size=12,12")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -178,7 +175,7 @@ def test_a_record_that_does_not_parse_is_named(tmp_path):
     source.mkdir()
     for name in ("train-0", "test-0"):
         with tf.io.TFRecordWriter(str(source / name)) as writer:
-            writer.write(_example(tf.io.encode_jpeg(_image(0, 8, 8)).numpy(), 1))
+            writer.write(prepare.image_record(tf.io.encode_jpeg(_image(0, 8, 8)).numpy(), 1))
             writer.write(b"not a tf.train.Example")
     line = _one_error_line(_prepare(f"--dataset=tfrecord:{source}", f"--out={tmp_path / 'out'}"))
     assert f"Record 1 of {source / 'test-0'} does not parse" in line or f"Record 1 of {source / 'train-0'}" in line
@@ -198,7 +195,7 @@ def test_a_record_changed_after_prepare_is_named_at_read_time(tmp_path):
     with pytest.raises(tf.errors.InvalidArgumentError) as error:
         next(iter(tf.data.Dataset.from_tensors(tf.constant([0], tf.int64)).map(readers.make_reader(info, "test"))))
     expected = f"Record 0 of {first} has 5 bytes. Expected 264: the shard changed after prepare."
-    assert readers.records.data_error_in(error.value) == expected
+    assert records.data_error_in(error.value) == expected
     run = subprocess.run([sys.executable, "-m", "distrib_tf.train", "--model=transformer", f"--dataset={info.name}",
                           "--epochs=1", "--steps_per_epoch=2", f"--model_dir={tmp_path / 'run'}"],
                          capture_output=True, text=True, env=ENV, timeout=300, cwd=ROOT)
