@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-fast test-compat soak bench bench-data bench-layout bench-scaling bench-sync lint clean
+.PHONY: install train test test-fast test-compat soak bench bench-data bench-layout bench-scaling bench-sync bench-overhead lint clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ bench-scaling: $(STAMP)
 # As root: periodic sync and compressed all-reduce on shaped links (benchmarks/sync.py).
 bench-sync: $(STAMP)
 	$(PY) benchmarks/sync.py
+
+# What each of our per-step additions costs, switched off one at a time (benchmarks/overhead.py).
+bench-overhead: $(STAMP)
+	$(PY) benchmarks/overhead.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check distrib_tf tests benchmarks

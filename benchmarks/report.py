@@ -1,6 +1,6 @@
 """Markdown tables from the JSON the benchmarks wrote (what BENCHMARKS.md quotes).
 
-    python benchmarks/report.py [DIR]     # DIR: where results*.json, scaling.json, data.json, sync.json are
+    python benchmarks/report.py [DIR]     # DIR: where the benchmarks' JSON files are
 
 Prints every figure as median (min-max) over its repetitions; nothing is computed here
 that the JSON does not hold but ratios of its medians, named as such.
@@ -125,6 +125,30 @@ def data_tables(bench) -> list[str]:
     return lines
 
 
+def overhead_tables(after, before) -> list[str]:
+    """Step time per variant; `before` (`overhead.before.json`, the same command on the
+    code before the step lost its host calls) beside it when present."""
+    lines = [f"Run of {after['environment']['date']}: {after['setup']}; {after['reps']} repetitions, "
+             f"variants interleaved; {after['seconds']:.0f} s."]
+    if before:
+        lines[0] += f" Before: run of {before['environment']['date']}, same command and setup."
+    lines += ["", "| model | variant | step, ms | / none_of_ours |"
+              + (" before: step, ms | before: / none_of_ours |" if before else ""),
+              "| --- | --- | --- | --- |" + (" --- | --- |" if before else "")]
+    ms = lambda v: {k: 1000 * x for k, x in v.items() if k != "values"}  # noqa: E731
+    for model, rows in after["models"].items():
+        old = (before or {}).get("models", {}).get(model, {})
+        for variant, row in rows.items():
+            line = (f"| {model} | {variant} | {fmt(ms(row['step_seconds']), 1)} | "
+                    f"{fmt(row['ratio_to_none_of_ours'], 3)} |")
+            if before:
+                was = old.get(variant)
+                line += (f" {fmt(ms(was['step_seconds']), 1)} | {fmt(was['ratio_to_none_of_ours'], 3)} |"
+                         if was else " — | — |")
+            lines.append(line)
+    return lines
+
+
 def main():
     folder = sys.argv[1] if len(sys.argv) > 1 else HERE
     results = _load(folder, "results.json")
@@ -136,6 +160,10 @@ def main():
     bench_data = _load(folder, "data.json")
     if bench_data:
         print("\n".join(["## make bench-data", ""] + data_tables(bench_data) + [""]))
+    overhead = _load(folder, "overhead.json")
+    if overhead:
+        print("\n".join(["## make bench-overhead", ""]
+                        + overhead_tables(overhead, _load(folder, "overhead.before.json")) + [""]))
     sync = _load(folder, "sync.json")
     if sync:
         print("\n".join(["## make bench-sync", ""] + sync_tables(sync)))

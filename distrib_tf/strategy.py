@@ -106,7 +106,8 @@ def make_strategy(
             module docstring for what `"auto"` picks.
         cpu_replicas: with no GPU, split the CPU into this many logical devices and
             mirror over them (useful to try data parallelism on a laptop).
-        communication: `"auto"`, `"ring"` or `"nccl"` all-reduce.
+        communication: `"auto"`, `"ring"` or `"nccl"` all-reduce; `"auto"` is NCCL
+            where there are GPUs (on one host and across workers), else TensorFlow's choice.
         bytes_per_pack: multi-worker gradient packing, in bytes (0: TensorFlow's).
         timeout_seconds: multi-worker collective timeout; a lost peer then
             surfaces as an error after this long instead of a hang. Default: the
@@ -234,8 +235,10 @@ def _make_multi_worker(tf_config, options: StrategyOptions) -> tf.distribute.Str
         )
     if _runtime_started():
         _refuse_started_runtime("a multi-worker strategy")
+    # On GPUs, "auto" is NCCL, as it is for MirroredStrategy; TensorFlow's AUTO may pick RING.
+    auto = "NCCL" if tf.config.list_physical_devices("GPU") else "AUTO"
     implementation = {
-        "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+        "auto": getattr(tf.distribute.experimental.CommunicationImplementation, auto),
         "ring": tf.distribute.experimental.CommunicationImplementation.RING,
         "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
     }[options.communication]

@@ -68,3 +68,16 @@ def test_the_data_benchmark_runs_at_a_tiny_size(tmp_path):
     report = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "report.py"), str(tmp_path)],
                             capture_output=True, text=True, timeout=60)
     assert "## make bench-data" in report.stdout and "| 0.2 GiB" in report.stdout, report.stderr
+
+
+@pytest.mark.slow
+def test_the_overhead_ablation_runs_at_a_tiny_size(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "overhead.py"), "--tiny",
+                             "--models=cnn", f"--out={tmp_path}"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "overhead.json") as f:
+        rows = json.load(f)["models"]["cnn"]
+    assert set(rows) == {"full", "none_of_ours"} and rows["none_of_ours"]["ratio_to_none_of_ours"]["median"] == 1
+    report = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "report.py"), str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert "## make bench-overhead" in report.stdout and "| cnn | full |" in report.stdout, report.stderr

@@ -80,3 +80,41 @@ def test_under_slurm_the_local_rank_is_slurms(bound, expected):
                             env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"[worker:1] ENV 1 2 {expected}" in result.stdout
+
+
+@pytest.mark.parametrize("tasks, cpus, expected", [
+    (2, [0, 1], [[0], [1]]),
+    (2, [0, 1, 2, 3, 4], [[0, 1], [2, 3]]),  # Equal shares; the odd one out unused.
+    (3, [4, 5], [[], [], []]),  # Fewer CPUs than tasks: no binding.
+])
+def test_cpus_are_shared_out_by_local_rank(tasks, cpus, expected):
+    assert [placement.cpus_for(local_rank=r, local_tasks=tasks, cpus=cpus) for r in range(tasks)] == expected
+
+
+def _launch_threads(extra_env, *options):
+    """Two local tasks print their CPUs and thread variables; returns them per task."""
+    code = ("import json, os; print('THREADS ' + json.dumps([sorted(os.sched_getaffinity(0))] + "
+            "[os.environ.get(k) for k in ('OMP_NUM_THREADS', 'TF_NUM_INTRAOP_THREADS', 'TF_NUM_INTEROP_THREADS')]))")
+    env = {k: v for k, v in os.environ.items() if k not in placement.THREAD_VARIABLES}
+    result = subprocess.run(
+        [sys.executable, "-m", "distrib_tf.launch", "--workers=2", *options, "--", sys.executable, "-c", code],
+        env={**env, "PYTHONPATH": ROOT, **extra_env}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return {line.split("] THREADS ")[0][1:]: json.loads(line.split("] THREADS ")[1])
+            for line in result.stdout.splitlines() if "] THREADS " in line}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to share out")
+def test_local_tasks_get_their_share_of_the_cpus_and_threads_to_match():
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // 2
+    threads = str(share)
+    assert _launch_threads({}) == {
+        "worker:0": [cpus[:share], threads, threads, str(min(share, 2))],
+        "worker:1": [cpus[share:2 * share], threads, threads, str(min(share, 2))],
+    }
+    # The user's own values win, and the binding can be turned off.
+    seen = _launch_threads({"OMP_NUM_THREADS": "7"}, "--no_cpu_binding")
+    assert seen["worker:1"] == [cpus, "7", None, None]
+    assert _launch_threads({"TF_NUM_INTRAOP_THREADS": "5"})["worker:0"] == [cpus[:share], threads, "5",
+                                                                           str(min(share, 2))]

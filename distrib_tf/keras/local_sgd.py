@@ -47,7 +47,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import optimizer as _tf_optimizer
 
 _MODE = "_distrib_tf_gradients"  # On an optimizer: "local", a dtype name, or absent.
-_MARKS = "_distrib_tf_marks"  # On an optimizer: (before, after) host callbacks, or absent.
+_CLOCK = "_distrib_tf_clock"  # On an optimizer: a float64 variable adding up all-reduce waits, or absent.
 
 
 def _install():
@@ -55,7 +55,13 @@ def _install():
     owner = _tf_optimizer.TFOptimizer
     if getattr(owner._all_reduce_sum_gradients, "__distrib_tf_original__", None):  # pylint: disable=protected-access
         return
-    original = owner._all_reduce_sum_gradients  # pylint: disable=protected-access
+    keras_all_reduce = owner._all_reduce_sum_gradients  # pylint: disable=protected-access
+
+    def original(self, grads_and_vars):
+        # Last layers first: their gradients are ready first in the backward pass, and
+        # TensorFlow launches a step's all-reduce packs in the order given (with
+        # `bytes_per_pack`, a pack can then travel while earlier layers still compute).
+        return keras_all_reduce(self, grads_and_vars[::-1])[::-1]
 
     def reduce(self, grads_and_vars):
         mode = getattr(self, _MODE, None)
@@ -70,40 +76,47 @@ def _install():
         return [(None if g is None else tf.cast(g, v.dtype) / tf.cast(factor, v.dtype), v)
                 for g, v in original(self, narrow)]
 
-    @functools.wraps(original)
+    @functools.wraps(keras_all_reduce)
     def all_reduce_sum_gradients(self, grads_and_vars):
         if tf.distribute.get_replica_context() is None:
-            return original(self, grads_and_vars)
-        marks = getattr(self, _MARKS, None)
-        if marks is None:
-            return reduce(self, grads_and_vars)
-        return _marked(reduce(self, _marked(grads_and_vars, marks[0])), marks[1])
+            return keras_all_reduce(self, grads_and_vars)
+        grads_and_vars = list(grads_and_vars)
+        clock = getattr(self, _CLOCK, None)
+        reduced = reduce(self, grads_and_vars)
+        if clock is not None:
+            _time_wait(clock, grads_and_vars, reduced)
+        return reduced
 
-    all_reduce_sum_gradients.__distrib_tf_original__ = original
+    all_reduce_sum_gradients.__distrib_tf_original__ = keras_all_reduce
     owner._all_reduce_sum_gradients = all_reduce_sum_gradients  # pylint: disable=protected-access
 
 
-def _marked(grads_and_vars, callback):
-    """The same gradients, once `callback` (a host function) has run after all of them."""
-    grads = [g for g, _ in grads_and_vars if g is not None]
-    with tf.control_dependencies(grads):
-        mark = tf.numpy_function(callback, [], tf.float64, stateful=True)
-    with tf.control_dependencies([mark]):
-        return [(None if g is None else tf.identity(g), v) for g, v in grads_and_vars]
+def _time_wait(clock, local, reduced) -> None:
+    """Adds to `clock` the seconds from the last local gradient to the last reduced one.
+
+    Two clock reads (`tf.timestamp`, a CPU kernel) and an add, beside the step: nothing
+    in the step depends on them, so they add no barrier and no host round trip.
+    """
+    with tf.control_dependencies([g for g, _ in local if g is not None]):
+        start = tf.timestamp()
+    with tf.control_dependencies([g for g, _ in reduced if g is not None]):
+        end = tf.timestamp()
+    clock.assign_add(end - start)
 
 
-def mark_all_reduce(optimizer, before, after) -> None:
-    """Calls the host functions `before` and `after` around every gradient all-reduce.
+def time_all_reduce(optimizer, clock) -> None:
+    """Adds every step's wait on the gradient all-reduce to `clock` (a float64 variable).
 
-    Each takes no argument and returns a float64 NumPy scalar (`tf.numpy_function`);
-    `None` for both removes them. Used by `distrib_tf.keras.progress` to time the wait.
+    The wait runs from this replica's last gradient to its last reduced gradient;
+    `None` stops the timing. Used by `distrib_tf.keras.progress` to tell a worker's own
+    step time from the time it spent waiting for the others.
     """
     _install()
     for each in _inner_optimizers(optimizer):
-        if before is None:
-            each.__dict__.pop(_MARKS, None)
-        else:
-            setattr(each, _MARKS, (before, after))
+        if clock is None:
+            each.__dict__.pop(_CLOCK, None)
+        else:  # Past __setattr__: the optimizer would track the variable and save it.
+            each.__dict__[_CLOCK] = clock
 
 
 def _inner_optimizers(optimizer):

@@ -1,23 +1,26 @@
 """NaN and Inf: every worker stops at the same step, and says which worker saw it.
 
-Keras averages each step's loss over every replica before a callback sees it, so a
-non-finite loss on one worker is non-finite in every worker's logs at the same step; a
-non-finite gradient makes the weights non-finite, and they are the same on every worker.
-After every step, `StopOnNonFinite` checks both (the loss, and every trainable weight in
-one compiled reduction) and raises `NonFiniteLoss` at that step on all workers, before
-the step is backed up, so no worker is left waiting in a collective. (A NaN does not
-always reach the loss: a ReLU after a NaN batch statistic can hide it there while the
-gradients carry it into the weights.) The `NonFiniteReplicas` metric names
-the culprit: each replica reports `2**r` when its own predictions hold a NaN or Inf, and
-the average over replicas that Keras logs encodes which ones did. A NaN that reaches a
-synchronized BatchNormalization reaches every replica's predictions, so the main job
-also reads that step's input batch again (the data order is a function of the step) and
-names the workers whose batch held it.
+The check runs inside the training step, in the metric `NonFiniteReplicas`: each replica
+sets its flag when its predictions, or (once `StopOnNonFinite` watches them) the model's
+weights after the update, hold a NaN or Inf. Keras averages every logged value over the
+replicas before a callback sees it, in the same reduction as the loss, so every worker
+reads the same flag at the same step whatever the sync mode: with `--sync=every:N` the
+replicas' weights differ between syncs, and one replica's NaN still stops all of them.
+(A NaN does not always reach the loss: a ReLU after a NaN statistic can hide it there
+while the gradients carry it into the weights; so the weights are checked too.)
+`StopOnNonFinite` then raises `NonFiniteLoss` at that step on all workers, before the
+step is backed up, and names the replicas whose predictions held it with one all-gather
+of their flags, which every worker enters at that same step: any number of replicas. The
+main job also reads that step's input batch again (the data order is a function of the
+step) and names the workers whose batch held it.
 
 With `--on_nan=rollback` the main job then restores the last backup every worker holds,
 halves the learning rate and goes on, at most `--max_rollbacks` times (the recovery of
 tensorflow/models' orbit `RecoveryCondition`); with `--on_nan=stop` it exits with
 `distrib_tf.exit_codes.NONFINITE` (65), which the launcher does not retry.
+
+Without the metric in `compile`, `StopOnNonFinite` checks the weights itself after each
+step, in a second function per step: it still works, slower.
 
 Example:
 
@@ -55,22 +58,49 @@ class NonFiniteLoss(Exception):
                 f"first seen {who}.")
 
 
+def _all_finite(tensors):
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
+
+
 @keras.saving.register_keras_serializable(package="distrib_tf")
 class NonFiniteReplicas(keras.metrics.Metric):
-    """`2**r` on replica r when its predictions of the last batch hold a NaN or Inf."""
+    """1 on a replica whose predictions (or watched weights) of the last step hold a NaN or Inf.
+
+    Logged averaged over the replicas: the fraction of replicas that saw one, 0 when none.
+    `in_predictions` keeps, per replica, whether its predictions held one.
+    """
 
     def __init__(self, name: str = METRIC, **kwargs):
         super().__init__(name=name, **kwargs)
         self.flags = self.add_variable(shape=(), initializer="zeros", name="flags")
+        self.in_predictions = self.add_variable(shape=(), initializer="zeros", name="in_predictions")
+        object.__setattr__(self, "_watched", ())  # Past Keras's tracking: not this metric's variables.
+
+    def watch(self, variables) -> None:
+        """Checks `variables` (the model's weights) too, at every update, from the next trace on."""
+        object.__setattr__(self, "_watched", tuple(variables))
 
     def update_state(self, y_true, y_pred, sample_weight=None):
-        context = tf.distribute.get_replica_context()
-        replica = context.replica_id_in_sync_group if context is not None else 0
-        bad = tf.logical_not(tf.reduce_all(tf.math.is_finite(tf.cast(y_pred, tf.float32))))
-        self.flags.assign(tf.cast(bad, tf.float32) * tf.pow(2.0, tf.cast(replica, tf.float32)))
+        in_predictions = tf.logical_not(_all_finite(tf.nest.flatten(y_pred)))
+        bad = in_predictions
+        if self._watched:  # Read after the optimizer's update: the step's own ordering.
+            bad = tf.logical_or(bad, tf.logical_not(_all_finite([w.value for w in self._watched])))
+        self.in_predictions.assign(tf.cast(in_predictions, self.dtype))
+        self.flags.assign(tf.cast(bad, self.dtype))
 
     def result(self):
         return tf.identity(self.flags)
+
+
+def find_metric(model) -> NonFiniteReplicas | None:
+    """The model's `NonFiniteReplicas`, among its compiled metrics, else `None`."""
+    stack = list(model.metrics)
+    while stack:
+        metric = stack.pop()
+        if isinstance(metric, NonFiniteReplicas):
+            return metric
+        stack.extend(getattr(metric, "metrics", ()))
+    return None
 
 
 class StopOnNonFinite(keras.callbacks.Callback):
@@ -88,17 +118,29 @@ class StopOnNonFinite(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.step = int(self.model.optimizer.iterations.numpy())
+        self._metric = find_metric(self.model)
         weights = self.model.trainable_variables
-        self._weights_finite = tf.function(
-            lambda: tf.reduce_all([tf.reduce_all(tf.math.is_finite(w)) for w in weights]))
+        if self._metric is not None:
+            self._metric.watch(weights)
+        else:
+            self._weights_finite = tf.function(lambda: _all_finite(weights))
 
     def on_train_batch_end(self, batch, logs=None):
         self.step += 1
-        loss = float((logs or {}).get("loss", 0.0))
-        if math.isfinite(loss) and bool(self._weights_finite()):
+        logs = logs or {}
+        if self._metric is not None:
+            flagged = float(logs.get(METRIC, 0.0)) != 0.0  # The same value on every worker.
+        else:
+            flagged = not bool(self._weights_finite())
+        if math.isfinite(float(logs.get("loss", 0.0))) and not flagged:
             return
-        mask = round(float(logs.get(METRIC, 0.0)) * len(self.workers))
-        culprits = [f"replica {r} ({task})" for r, task in enumerate(self.workers) if mask >> r & 1]
+        culprits = []
+        if self._metric is not None:  # Every worker is here at this step: one all-gather.
+            local = np.array([float(v.numpy()) for v in self.model.distribute_strategy
+                              .experimental_local_results(self._metric.in_predictions)])
+            rows = backup.gather_rows(self.model.distribute_strategy, local)
+            seen = rows[::len(local)].reshape(-1) if len(rows) else rows  # One row per worker.
+            culprits = [f"replica {r} ({task})" for r, (task, bad) in enumerate(zip(self.workers, seen)) if bad]
         epoch = (self.step - 1) // self.steps_per_epoch + 1
         raise NonFiniteLoss(self.step, epoch, culprits)
 

@@ -2,10 +2,14 @@
 
 In synchronous training every worker's step lasts as long as the slowest worker's: the
 others wait in the gradient all-reduce. So the wall time of a step says nothing about
-who is slow. `Progress` measures each worker's own time for a step: its wall time minus
-the time it waited in the all-reduce, read from the host clock just before and just
-after it (`distrib_tf.keras.local_sgd.mark_all_reduce`). Every `window` steps one small
-all-reduce gives every worker the mean own step time of every worker, which goes
+who is slow. `Progress` measures each worker's own time for a step: its wall time on the
+host minus the time its step spent waiting on the gradient all-reduce. That wait is
+measured inside the step by TensorFlow's own clock (`tf.timestamp`) once this worker's
+last gradient is ready and again once the last reduced gradient is, and added up in a
+variable (`distrib_tf.keras.local_sgd.time_all_reduce`): no host callback, and nothing
+in the step waits for the clock. Every `window` steps the host reads that variable, and
+one small all-reduce between two steps gives every worker the mean own step time of
+every worker, which goes
 
 - into the `progress` events (`distrib_tf.events`) that the launcher's status line shows;
 - into the epoch's logs as `step_seconds_<task>` (so into TensorBoard and `summary.json`);
@@ -71,28 +75,16 @@ class Progress(keras.callbacks.Callback):
         self._epoch_times: dict[str, list[float]] = {}
         self._strikes = dict.fromkeys(self.workers, 0)
         self._named: set[str] = set()
-        self._own_sum = self._wait = 0.0
+        self._wall_sum = 0.0
         self._own_count = self._global = 0
-        self._arrived = None
+        self._waited = None  # Seconds this worker's steps waited on the all-reduce, summed in the step.
         self._epoch = self._step = 0
         self._shown = self._epoch_start = self._begin = 0.0
 
-    # Marks around the all-reduce, called from the step's graph on the host.
-    def _before(self):
-        self._arrived = time.perf_counter()
-        return np.float64(0)
-
-    def _after(self):
-        if self._arrived is not None:
-            self._wait += time.perf_counter() - self._arrived
-            self._arrived = None
-        return np.float64(0)
-
     def on_train_begin(self, logs=None):
         strategy = self.model.distribute_strategy
-        if not self.model.jit_compile:  # Host functions cannot run inside XLA.
-            local_sgd.mark_all_reduce(self.model.optimizer, self._before, self._after)
-        local_replicas = strategy.num_replicas_in_sync // len(self.workers)
+        local_replicas = self._local_replicas = strategy.num_replicas_in_sync // len(self.workers)
+        self._instrument_step()
 
         @tf.function
         def gathered(row):
@@ -109,8 +101,17 @@ class Progress(keras.callbacks.Callback):
         self._exchange = exchange
         events.emit("train_begin", epochs=self.epochs, steps=self.steps, workers=len(self.workers))
 
+    def _instrument_step(self):
+        if self.model.jit_compile:  # XLA has no clock op: the wall time alone, then.
+            return
+        if self._waited is None:  # One per callback: a later fit may reuse the traced step.
+            with tf.init_scope():  # The worker's own, outside any strategy's scope.
+                self._waited = tf.Variable(0.0, dtype=tf.float64, trainable=False)
+        self._waited.assign(0.0)
+        local_sgd.time_all_reduce(self.model.optimizer, self._waited)
+
     def on_train_end(self, logs=None):
-        local_sgd.mark_all_reduce(self.model.optimizer, None, None)
+        local_sgd.time_all_reduce(self.model.optimizer, None)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._step = epoch, 0
@@ -118,11 +119,11 @@ class Progress(keras.callbacks.Callback):
         self._epoch_times = {task: [] for task in self.workers}
 
     def on_train_batch_begin(self, batch, logs=None):
-        self._begin, self._wait = time.perf_counter(), 0.0
+        self._begin = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
         now = time.perf_counter()
-        self._own_sum += max(now - self._begin - self._wait, 0.0)
+        self._wall_sum += now - self._begin
         self._own_count += 1
         self._step += 1
         self._global += 1
@@ -139,8 +140,13 @@ class Progress(keras.callbacks.Callback):
 
     def _exchange_times(self):
         """Every worker calls it at the same step: a collective."""
-        self.latest = self._exchange(self._own_sum / self._own_count)
-        self._own_sum, self._own_count = 0.0, 0
+        waited = 0.0
+        if self._waited is not None:  # Summed over this worker's replicas: each waited.
+            waited = float(self._waited.read_value()) / self._local_replicas
+            self._waited.assign(0.0)
+        own = max(self._wall_sum - waited, 0.0) / self._own_count
+        self.latest = self._exchange(own)
+        self._wall_sum, self._own_count = 0.0, 0
         for task, seconds in self.latest.items():
             self._epoch_times.setdefault(task, []).append(seconds)
 

@@ -13,7 +13,9 @@ not a module of the package: it imports nothing of distrib_tf). It
    as a PID 1), and this process ends as COMMAND ended: its exit code, or killed by the
    same signal (an exit code above 128 reads as a signal);
 3. where namespaces are refused, simply becomes COMMAND (`exec`): the launcher's death
-   still kills the task, not its own children.
+   still kills the task, not its own children;
+4. binds itself, before any of that, to the CPUs listed in `DISTRIB_TF_CPUS` ("0,1"),
+   when set (`distrib_tf.launch.placement` shares them out).
 
 This replaces a `preexec_fn`, which the Python documentation warns can deadlock in a
 process with threads (the launcher has its output pumps). Inside the namespace COMMAND
@@ -52,6 +54,9 @@ def main():
     if os.getppid() != int(sys.argv[1]):
         os._exit(137)  # The launcher died before we could ask to die with it.
     command = sys.argv[2:]
+    cpus = os.environ.get("DISTRIB_TF_CPUS")
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     if libc.unshare(_CLONE_NEWPID) != 0:
         os.execvp(command[0], command)
     init = os.fork()  # The first child after unshare is PID 1 of the new namespace.

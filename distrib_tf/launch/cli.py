@@ -24,6 +24,9 @@ cluster read from the `SLURM_*` variables), each with:
   r gets GPUs r*N ... r*N+N-1 of those the launcher was given (its own
   `CUDA_VISIBLE_DEVICES` when set); with several local tasks and no flag the GPUs are
   split evenly, or refused in one line when they do not divide (`distrib_tf.launch.placement`);
+- with several local tasks, each its share of this launcher's CPUs: bound to them, with
+  `OMP_NUM_THREADS`, `TF_NUM_INTRAOP_THREADS` and `TF_NUM_INTEROP_THREADS` sized to them;
+  a variable already set wins, and `--no_cpu_binding` leaves CPUs and threads alone;
 - `DISTRIB_TF_COLLECTIVE_TIMEOUT`, with `--collective_timeout`: `make_strategy()`
   then fails a stuck all-reduce after that many seconds instead of hanging.
 
@@ -133,6 +136,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--log_dir", help="also append each task's output to DIR/TYPE_INDEX.log")
     parser.add_argument("--gpus_per_task", type=int, default=0,
                         help="GPUs for each local task (0: split the visible GPUs evenly)")
+    parser.add_argument("--no_cpu_binding", action="store_true",
+                        help="do not share this host's CPUs and thread pools out among local tasks")
     parser.add_argument("--collective_timeout", type=float,
                         help="seconds before a stuck all-reduce fails (default: never)")
     parser.add_argument("--grace_period", type=float, default=10.0,
@@ -224,6 +229,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                           collective_timeout=args.collective_timeout,
                           grace_period=args.grace_period, private=not args.no_private,
                           visible_gpus=tuple(placement.visible_gpus(os.environ)),
+                          cpus=() if args.no_cpu_binding else tuple(sorted(os.sched_getaffinity(0))),
                           events_path=args.events, verbose=args.verbose)
     for slot in range(len(tasks)):  # Placement errors now, before anything starts.
         task_placement(config, slot, dict(os.environ))

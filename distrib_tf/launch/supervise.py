@@ -56,6 +56,7 @@ class LaunchConfig:
     grace_period: float = 10.0
     private: bool = True
     visible_gpus: tuple[str, ...] = ()  # What the launcher was given, to share out.
+    cpus: tuple[int, ...] = ()  # The CPUs the launcher may use, to share out (empty: leave alone).
     events_path: str | None = None  # Append every event there (`distrib_tf.events`).
     verbose: bool = False  # TensorFlow's C++ logs at its own level, nothing dropped.
 
@@ -93,15 +94,18 @@ class LaunchResult:
 
 
 def task_placement(config: LaunchConfig, slot: int, base_env: dict[str, str]) -> dict[str, str]:
-    """`LOCAL_RANK`, `LOCAL_WORLD_SIZE` and the GPUs of the `slot`-th local task. Pure.
+    """`LOCAL_RANK`, `LOCAL_WORLD_SIZE`, the GPUs, CPUs and threads of the `slot`-th local task. Pure.
 
     Raises:
         ValueError: the GPUs asked for do not fit or do not divide (`distrib_tf.launch.placement`).
     """
-    local_rank, local_tasks = slurm.local_rank(base_env) or (slot, len(config.tasks))
+    under_slurm = slurm.local_rank(base_env)
+    local_rank, local_tasks = under_slurm or (slot, len(config.tasks))
     return placement.placement_env(local_rank=local_rank, local_tasks=local_tasks,
                                    visible=list(config.visible_gpus), gpus_per_task=config.gpus_per_task,
-                                   bound_per_task="SLURM_GPUS_PER_TASK" in base_env)
+                                   bound_per_task="SLURM_GPUS_PER_TASK" in base_env,
+                                   # Slurm binds its tasks itself (`--cpu-bind`): its share stands.
+                                   cpus=[] if under_slurm else list(config.cpus), environ=base_env)
 
 
 def task_env(config: LaunchConfig, spec: ClusterSpec, task: Task, slot: int,

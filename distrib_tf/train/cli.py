@@ -18,6 +18,7 @@ call too.
 import dataclasses
 import os
 import sys
+import time
 
 from absl import app
 from absl import flags
@@ -134,6 +135,33 @@ def main(argv):
         print(f"final accuracy {summary['final']['accuracy']:.4f} "
               f"(chance {1 / job.info.num_classes:.4f}) on {config.dataset} test; "
               f"summary: {os.path.join(job.model_dir, 'summary.json')}", flush=True)
+    if job.strategy_name == "MultiWorkerMirroredStrategy" and not job.is_evaluator:
+        _leave_together(job)
+
+
+def _leave_together(job):
+    """Every training task done: the workers leave first, the chief (the coordination
+    service's host) last, so that no worker reports a coordination service that is gone.
+
+    After a barrier every task reaches only once its outputs are written, each leaves
+    without the interpreter's teardown (which would wait seconds for tf.data's threads,
+    and talk to the service while leaving): workers at once, the chief a moment later.
+    """
+    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
+
+    try:
+        context.context().wait_at_barrier("distrib_tf_job_end", LEAVE_BARRIER_MS)
+    except Exception:  # pylint: disable=broad-except  (a peer gone: leave the usual way)
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if job.is_chief:
+        time.sleep(LEAVE_CHIEF_AFTER_SECONDS)
+    os._exit(exit_codes.OK)
+
+
+LEAVE_BARRIER_MS = 60_000
+LEAVE_CHIEF_AFTER_SECONDS = 0.5
 
 
 def run():

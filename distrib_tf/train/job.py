@@ -93,9 +93,8 @@ def prepare_job(config: TrainConfig, model_dir: str) -> Job:
 def build_compiled_model(config: TrainConfig, info, strategy):
     """The job's model, built and compiled under `strategy.scope()`."""
     with strategy.scope():
-        if config.model == "cnn":  # Periodic sync: replicas train apart, so does their BN.
-            model = build_model("cnn", input_shape=info.input_shape, num_classes=info.num_classes,
-                                synchronized_bn=config.sync == "step")
+        if config.model == "cnn":
+            model = build_model("cnn", input_shape=info.input_shape, num_classes=info.num_classes)
         else:
             model = build_model("transformer", vocab_size=info.vocab_size,
                                 seq_len=info.input_shape[0], num_classes=info.num_classes)

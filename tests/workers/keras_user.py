@@ -169,6 +169,9 @@ def main():
     history = model.fit(dataset, validation_data=dataset, epochs=args.epochs, callbacks=callbacks, verbose=0)
     evaluation = model.evaluate(dataset, return_dict=True, verbose=0)
     predictions = model.predict(tf.data.Dataset.from_tensor_slices(x[:10]).batch(4), verbose=0)
+    for thread in threading.enumerate():  # Iterators fit and evaluate let go of, still being released.
+        if thread.name == "distrib_tf-iterator-release":
+            thread.join()
 
     np.savez(
         os.path.join(args.out, f"{task.replace(':', '_')}.npz"),
