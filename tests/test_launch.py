@@ -39,6 +39,7 @@ def test_task_env_is_pure_and_complete():
     assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": 1}
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7" and env["LOCAL_RANK"] == "1" and env["LOCAL_WORLD_SIZE"] == "2"
     assert env["DISTRIB_TF_COLLECTIVE_TIMEOUT"] == "7.5" and env["PATH"] == "/bin"
+    assert env["DISTRIB_TF_GRACE_SECONDS"] == "10.0"  # The preemption handshake fits inside it.
 
 
 @pytest.mark.multiworker

@@ -1,5 +1,6 @@
 """NaN/Inf on one worker: every worker stops at the same step and names it, or rolls back."""
 
+import json
 import os
 
 import numpy as np
@@ -72,3 +73,16 @@ def test_rollback_halves_the_learning_rate_then_gives_up(shapes_with_an_inf, tmp
         assert "Rolled back to step 4; learning rate halved to 0.0005." in rolled[0]
         assert "Rolled back to step 4; learning rate halved to 0.00025." in rolled[1]
         assert result.returncode == 65 and len(_error_lines(result)) == 1, result.output[-3000:]
+
+
+def test_an_inf_in_one_workers_weights_between_syncs_stops_every_worker_at_that_step(tmp_path):
+    """Under periodic sync only worker:1 applies its Inf gradient, and the step's loss is finite:
+    the workers' own checks would disagree (worker:1 stops, worker:0 steps on into a collective
+    that never completes). The flag travels with the step's logs: both stop at step 6."""
+    results = run_cluster([os.path.join(ROOT, "tests", "workers", "nan_between_syncs.py"), tmp_path],
+                          spec=local_spec(2), env=ENV, timeout=120)
+    assert all(r.returncode == 0 for r in results), [(r.task, r.returncode, r.output[-2000:]) for r in results]
+    records = [json.loads((tmp_path / f"worker_{i}.json").read_text()) for i in (0, 1)]
+    assert [r.get("stopped_at") for r in records] == [6, 6], records
+    assert all(r["culprits"] == ["replica 1 (worker:1)"] for r in records), records
+    assert "in the weights of replica 1 (worker:1)" in records[0]["message"]

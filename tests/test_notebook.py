@@ -35,6 +35,8 @@ def test_stop_leaves_no_process_behind(tmp_path):
     job.stop(grace=20)
     assert job.status == "stopped"
     assert not any(_alive(pid) for pid in pids)
+    with pytest.raises(ProcessLookupError):  # Not a signal to whatever process has that id now.
+        job.kill_task("worker:0")
 
 
 def test_wait_raises_the_launchers_root_cause(tmp_path):

@@ -74,6 +74,13 @@ def test_space_parsing_and_optuna_sampling(tmp_path):
     _, _, draws = _asked(tmp_path / "a", ranged, "random", 20, seed=3)
     assert all(1e-4 <= d["learning_rate"] <= 1e-2 and d["seed"] in (1, 2) for d in draws)
     assert draws == _asked(tmp_path / "b", ranged, "random", 20, seed=3)[2]
+    # A range of an integer flag draws integers (floats made every trial fail on the flag).
+    integers = sweep.parse_space("epochs=uniform(1,4) steps_per_epoch=loguniform(2,64)")
+    _, _, draws = _asked(tmp_path / "c", integers, "random", 10, seed=1)
+    assert all(type(d["epochs"]) is int and 1 <= d["epochs"] <= 4 for d in draws), draws
+    assert all(type(d["steps_per_epoch"]) is int for d in draws), draws
+    with pytest.raises(ValueError, match=r"Received: '1.5'\. Expected an integer"):
+        sweep.parse_space("epochs=uniform(1.5,4)")
 
 
 def test_min_mode_and_a_zero_metric_reach_optuna(tmp_path):

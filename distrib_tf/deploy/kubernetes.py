@@ -16,6 +16,7 @@ This module imports no TensorFlow.
 import json
 
 from distrib_tf import exit_codes
+from distrib_tf.deploy import launcher_grace
 from distrib_tf.cluster import ClusterSpec
 
 RUNS = "/runs"
@@ -40,7 +41,8 @@ def kubernetes_manifests(spec: ClusterSpec, *, name: str, image: str, command: l
         "name": "task",
         "image": image,
         "command": ["distrib-tf-launch", "--cluster_spec=/etc/distrib_tf/spec.json",
-                    "--task_ordinal=$(JOB_COMPLETION_INDEX)", "--", *command],
+                    "--task_ordinal=$(JOB_COMPLETION_INDEX)",
+                    f"--grace_period={launcher_grace(grace_seconds)}", "--", *command],
         "ports": [{"containerPort": port, "name": "grpc"}],
         "volumeMounts": [{"name": "spec", "mountPath": "/etc/distrib_tf"},
                          {"name": "runs", "mountPath": RUNS}],

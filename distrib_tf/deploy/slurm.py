@@ -36,6 +36,7 @@ from distrib_tf import exit_codes
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import ClusterSpecError
 from distrib_tf.cluster import Task
+from distrib_tf.deploy import launcher_grace
 
 SOURCE = "the SLURM_* environment"
 PORT_RANGE = (20000, 32768)
@@ -199,6 +200,9 @@ def local_rank(environ: Mapping[str, str]) -> tuple[int, int] | None:
             f"{counts!r}. Expected a local id below this node's task count.") from None
 
 
+SIGNAL_SECONDS = 120  # `--signal=TERM@120`: the warning before a time limit or a preemption.
+
+
 def batch_script(spec: ClusterSpec, *, command: list[str], job_name: str = "distrib_tf") -> str:
     """An `sbatch` script running one Slurm task per training task of `spec`."""
     tasks = spec.num_workers
@@ -208,13 +212,14 @@ def batch_script(spec: ClusterSpec, *, command: list[str], job_name: str = "dist
         f"#SBATCH --ntasks={tasks}",
         "#SBATCH --cpus-per-task=1",
         "#SBATCH --output=%x-%j.out",
-        "#SBATCH --signal=TERM@120",
+        f"#SBATCH --signal=TERM@{SIGNAL_SECONDS}",
         "#SBATCH --requeue",
         "# One TensorFlow task per Slurm task; TF_CONFIG comes from the SLURM_* variables.",
         "# --kill-on-bad-exit stops every task when one fails. SIGTERM (120 s before a time",
         f"# limit or a preemption) makes every worker back up one agreed step and exit {exit_codes.PREEMPTED};",
         "# the job then requeues itself and resumes at that step (backups on each node's disk).",
-        "srun --kill-on-bad-exit=1 distrib-tf-launch --slurm -- " + shlex.join(command),
+        f"srun --kill-on-bad-exit=1 distrib-tf-launch --slurm --grace_period={launcher_grace(SIGNAL_SECONDS)} -- "
+        + shlex.join(command),
         "code=$?",
         f'if [ "$code" -eq {exit_codes.PREEMPTED} ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
         'exit "$code"',

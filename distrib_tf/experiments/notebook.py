@@ -55,6 +55,7 @@ class Job:
         self._follow = events.Follower(events_path)
         self._epochs: dict[str, tuple[int, int]] = {}
         self._pids: dict[str, int] = {}
+        self._pidfds: dict[str, int] = {}  # Task: a pidfd of its process (`_hold`).
         self._restarts = 0
         self._root_cause = None
         self._status_line = ""
@@ -83,6 +84,7 @@ class Job:
             task, kind = event.get("task", "launcher"), event["event"]
             if kind == "started":
                 self._pids[task] = event["pid"]
+                self._hold(task, event["pid"])
                 self._epochs.setdefault(task, (0, 0))
             elif kind == "train_begin":
                 self._epochs[task] = (self._epochs.get(task, (0, 0))[0], event["epochs"])
@@ -147,9 +149,37 @@ class Job:
         self._update()
         return self._epochs.get(task, (0, 0))[0] >= epoch
 
+    def _hold(self, task: str, pid: int):
+        """Holds the task's process by a pidfd: a signal then reaches that process or none,
+        never another that reused its id. Only a child of this job's launcher is held."""
+        old = self._pidfds.pop(task, None)
+        if old is not None:
+            os.close(old)
+        try:
+            fd = os.pidfd_open(pid)
+        except (ProcessLookupError, OSError):
+            return  # Gone already.
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            parent = None
+        if parent == self._proc.pid:
+            self._pidfds[task] = fd
+        else:  # The id was reused before we looked: not our task.
+            os.close(fd)
+
     def kill_task(self, task: str, sig: int = signal.SIGKILL):
-        """Sends `sig` to one task, as a failing machine would (the launcher restarts it)."""
-        os.kill(self._pids[task], sig)
+        """Sends `sig` to one task, as a failing machine would (the launcher restarts it).
+
+        Raises:
+            ProcessLookupError: the task has already ended.
+        """
+        self._update()
+        fd = self._pidfds.get(task)
+        if fd is None:
+            raise ProcessLookupError(f"{task} is not running")
+        signal.pidfd_send_signal(fd, sig)
 
     def wait(self, timeout: float | None = None, *, progress: bool = True, every: float = 1.0) -> dict | None:
         """Waits for the end; shows a table refreshed in place. Returns the summary, if any.
@@ -181,11 +211,11 @@ class Job:
             except subprocess.TimeoutExpired:
                 os.killpg(self._proc.pid, signal.SIGKILL)
                 self._proc.wait()
-        for pid in self._pids.values():  # Belt and braces: tasks live in their own groups.
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        # The tasks die with the launcher (`distrib_tf.launch._task_init`): no process id of
+        # theirs is signalled here, since a finished task's id may belong to another process.
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
         self._reader.join(timeout=5)
 
     def summary(self) -> dict | None:

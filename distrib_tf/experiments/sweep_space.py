@@ -31,6 +31,7 @@ class Dimension:
     low: float | None = None
     high: float | None = None
     log: bool = False
+    integer: bool = False  # A range of an integer flag: drawn as integers.
 
     @property
     def is_range(self) -> bool:
@@ -76,13 +77,14 @@ def parse_dimension(name: str, spec) -> Dimension:
     if len(args) != (3 if is_grid else 2):
         raise ValueError(f"Invalid value for `{name}` in the search space. Received: {text!r}. "
                          f"Expected {form.group(1)}({'a,b,n' if is_grid else 'a,b'}).")
-    low, high = _number(args[0], name), _number(args[1], name)
+    bound = int if kind is int and not is_grid else float  # uniform(2,8) of an integer flag: integers.
+    low, high = _number(args[0], name, bound), _number(args[1], name, bound)
     log = form.group(1).startswith("log")
     if not low < high or (log and low <= 0):
         raise ValueError(f"Invalid value for `{name}` in the search space. Received: {text!r}. "
                          f"Expected a < b{' and a > 0 on a log scale' if log else ''}.")
     if not is_grid:
-        return Dimension(name, low=low, high=high, log=log)
+        return Dimension(name, low=low, high=high, log=log, integer=kind is int)
     count = _number(args[2], name, int)
     if count < 2:
         raise ValueError(f"Invalid value for `{name}` in the search space. Received: {text!r}. "
@@ -118,6 +120,13 @@ def grid_size(space: list[Dimension]) -> int:
 
 
 def suggest(trial, space: list[Dimension]) -> dict:
-    """The values of one Optuna trial: a choice from each list, a draw from each range."""
-    return {d.name: trial.suggest_float(d.name, d.low, d.high, log=d.log) if d.is_range
-            else trial.suggest_categorical(d.name, list(d.values)) for d in space}
+    """The values of one Optuna trial: a choice from each list, a draw from each range
+    (an integer for an integer flag)."""
+    def draw(d):
+        if not d.is_range:
+            return trial.suggest_categorical(d.name, list(d.values))
+        if d.integer:
+            return trial.suggest_int(d.name, d.low, d.high, log=d.log)
+        return trial.suggest_float(d.name, d.low, d.high, log=d.log)
+
+    return {d.name: draw(d) for d in space}

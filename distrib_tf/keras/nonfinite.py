@@ -134,15 +134,28 @@ class StopOnNonFinite(keras.callbacks.Callback):
             flagged = not bool(self._weights_finite())
         if math.isfinite(float(logs.get("loss", 0.0))) and not flagged:
             return
-        culprits = []
+        culprits, where = [], "predictions"
         if self._metric is not None:  # Every worker is here at this step: one all-gather.
-            local = np.array([float(v.numpy()) for v in self.model.distribute_strategy
-                              .experimental_local_results(self._metric.in_predictions)])
-            rows = backup.gather_rows(self.model.distribute_strategy, local)
-            seen = rows[::len(local)].reshape(-1) if len(rows) else rows  # One row per worker.
-            culprits = [f"replica {r} ({task})" for r, (task, bad) in enumerate(zip(self.workers, seen)) if bad]
+            strategy = self.model.distribute_strategy
+            local = np.array([[float(p.numpy()), float(f.numpy())] for p, f in zip(
+                _per_replica(strategy, self._metric.in_predictions),
+                _per_replica(strategy, self._metric.flags))]).reshape(-1)
+            rows = backup.gather_rows(strategy, local)
+            seen = rows[::len(local) // 2].reshape(-1, 2)  # One row per worker: (predictions, any) per replica.
+            culprits = [f"replica {r} ({task})" for r, (task, bad) in enumerate(zip(self.workers, seen)) if bad[0]]
+            if not culprits:  # Not in the predictions: in the weights after the update.
+                culprits = [f"replica {r} ({task})" for r, (task, bad) in enumerate(zip(self.workers, seen))
+                            if bad[1]]
+                where = "weights"
         epoch = (self.step - 1) // self.steps_per_epoch + 1
-        raise NonFiniteLoss(self.step, epoch, culprits)
+        raise NonFiniteLoss(self.step, epoch, culprits, where)
+
+
+def _per_replica(strategy, variable):
+    """This worker's replicas' own values of a metric variable. Read across replicas, a
+    Keras metric variable is their sum over every worker (a collective)."""
+    distributed = getattr(variable, "_value", variable)  # pylint: disable=protected-access
+    return strategy.experimental_local_results(distributed)
 
 
 def name_input_culprits(error: NonFiniteLoss, strategy, replica_tasks, batches) -> None:

@@ -15,6 +15,7 @@ Example, for a Keras user's own `fit`:
     >>> model.fit(..., callbacks=[backup, SaveOnPreemption(backup)])
 """
 
+import os
 import signal
 import threading
 
@@ -23,6 +24,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context  # The coordination service's key-value store.
 
 _requested = False
+GRACE_ENV = "DISTRIB_TF_GRACE_SECONDS"  # Set by `distrib_tf.launch` from its `--grace_period`.
 
 
 class Preempted(Exception):
@@ -61,11 +63,17 @@ class SaveOnPreemption(keras.callbacks.Callback):
     Args:
         worker_backup: the `distrib_tf.keras.backup.WorkerBackup` of this worker, which
             must come before this callback in `fit`'s list (it counts the steps).
-        ack_timeout: seconds to wait for the other workers to read the step.
+        ack_timeout: seconds to wait for the other workers to read the step; by default a
+            quarter of the seconds between SIGTERM and SIGKILL that the launcher gives its
+            tasks (`DISTRIB_TF_GRACE_SECONDS`), else 120: the step and the backup must
+            still fit in that grace after a worker that never answers.
     """
 
-    def __init__(self, worker_backup, *, ack_timeout: float = 120.0):
+    def __init__(self, worker_backup, *, ack_timeout: float | None = None):
         super().__init__()
+        if ack_timeout is None:
+            grace = os.environ.get(GRACE_ENV)
+            ack_timeout = float(grace) / 4 if grace else 120.0
         self.worker_backup, self.ack_timeout = worker_backup, ack_timeout
         self._fits = 0
 

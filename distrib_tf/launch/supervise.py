@@ -42,6 +42,9 @@ def is_quieted(line: str) -> bool:
     return bool(_GLOG_INFO_OR_WARNING.match(line)) or any(text in line for text in _QUIET_DROPPED)
 
 
+GRACE_ENV = "DISTRIB_TF_GRACE_SECONDS"  # Seconds from SIGTERM to SIGKILL, for the tasks.
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     """What to start and how; validated by `config_from_args`."""
@@ -115,6 +118,7 @@ def task_env(config: LaunchConfig, spec: ClusterSpec, task: Task, slot: int,
     env.update(task_placement(config, slot, base_env))
     if config.collective_timeout:
         env["DISTRIB_TF_COLLECTIVE_TIMEOUT"] = str(config.collective_timeout)
+    env[GRACE_ENV] = str(config.grace_period)  # The preemption handshake sizes its waits to it.
     if not config.verbose:
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", QUIET_LOG_LEVEL)
     return env
