@@ -52,7 +52,8 @@ def test_slurm_script_and_cluster_from_slurm_variables():
     result = _export("slurm", f"--cluster_spec={SPEC}", "--", "python", "-m", "distrib_tf.train")
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --ntasks=3" in result.stdout
-    assert "srun --kill-on-bad-exit=1 distrib-tf-launch --slurm --grace_period=110 -- python -m distrib_tf.train" in result.stdout
+    srun = "srun --kill-on-bad-exit=1 distrib-tf-launch --slurm --grace_period=110 -- python -m distrib_tf.train"
+    assert srun in result.stdout
 
 
 @pytest.mark.parametrize("args, message", [

@@ -16,8 +16,8 @@ This module imports no TensorFlow.
 import json
 
 from distrib_tf import exit_codes
-from distrib_tf.deploy import launcher_grace
 from distrib_tf.cluster import ClusterSpec
+from distrib_tf.deploy import launcher_grace
 
 RUNS = "/runs"
 
