@@ -92,3 +92,15 @@ def test_bad_tf_config_never_reaches_tensorflow():
     tf_config = '{"cluster": {"worker": ["127.0.0.1"]}, "task": {"type": "worker", "index": 0}}'
     output = describe_error(env={"TF_CONFIG": tf_config})
     assert "ClusterSpecError: Invalid value for `cluster.worker[0]` in TF_CONFIG. Received: '127.0.0.1'" in output
+
+
+def test_a_keras_that_moved_its_private_modules_degrades_and_does_not_break():
+    """An untested Keras whose private modules moved: `import distrib_tf` works, one warning,
+    `fit` with the per-step callbacks trains, periodic sync says it is unavailable."""
+    result = run_single([os.path.join(HERE, "workers", "moved_keras.py")], env=ENV)
+    check_ok([result])
+    seen = json.loads(result.output.strip().splitlines()[-1])
+    assert len(seen["loss"]) == 1 and seen["loss"][0] > 0
+    assert len(seen["warnings"]) == 1 and "Keras 3.99.0 is not a version distrib_tf was tested with" in \
+        seen["warnings"][0], seen["warnings"]
+    assert seen["periodic_sync"].startswith("Keras 3.99.0 is not a version distrib_tf was tested with"), seen

@@ -56,15 +56,12 @@ import threading
 
 import keras
 import tensorflow as tf
-from keras.src.backend.tensorflow import trainer as _tf_trainer
-from keras.src.optimizers import base_optimizer as _base_optimizer
-from keras.src.trainers import trainer as _base_trainer
 
 logger = logging.getLogger("distrib_tf")
 
 # Inclusive (major, minor) range; every version in it passed tests/test_keras_compat.py.
 TESTED_KERAS = ((3, 12), (3, 15))
-_applied = False
+_applied = _warned = False
 
 
 def keras_version() -> tuple[int, int]:
@@ -77,9 +74,20 @@ def is_tested_version() -> bool:
     return low <= keras_version() <= high
 
 
+def _private_modules():
+    """The private Keras modules the fixes patch, imported only to apply them: a Keras that
+    moved them still imports distrib_tf (and, untested, gets no fixes)."""
+    # pylint: disable=import-outside-toplevel
+    from keras.src.backend.tensorflow import trainer
+    from keras.src.optimizers import base_optimizer
+    from keras.src.trainers import trainer as base_trainer
+    return trainer, base_optimizer, base_trainer
+
+
 def _fixes():
     """Fix name to the `(owner, attribute, replacement)` triples it installs."""
     callbacks = keras.callbacks
+    _tf_trainer, _base_optimizer, _base_trainer = _private_modules()
     return {
         "symbolic_build": [
             (_tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build", _maybe_symbolic_build)
@@ -105,10 +113,13 @@ def _fixes():
 
 def apply() -> bool:
     """Installs every fix once per process; returns whether they are installed."""
-    global _applied
+    global _applied, _warned
     if _applied:
         return True
     if not is_tested_version():
+        if _warned:
+            return False
+        _warned = True
         logger.warning(
             "Keras %s is not a version distrib_tf was tested with (%s to %s.x): its "
             "multi-replica fixes are not applied and fit() may fail under several workers.",
@@ -141,7 +152,7 @@ def _patch(owner, name, fix):
 
 
 def _is_multi_worker(strategy) -> bool:
-    return _tf_trainer._collective_all_reduce_multi_worker(strategy)  # pylint: disable=protected-access
+    return _private_modules()[0]._collective_all_reduce_multi_worker(strategy)  # pylint: disable=protected-access
 
 
 def _is_chief(model) -> bool:

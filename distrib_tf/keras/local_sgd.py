@@ -44,17 +44,33 @@ import functools
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend.tensorflow import optimizer as _tf_optimizer
+from distrib_tf.keras import compat
 
 _MODE = "_distrib_tf_gradients"  # On an optimizer: "local", a dtype name, or absent.
 _CLOCK = "_distrib_tf_clock"  # On an optimizer: a float64 variable adding up all-reduce waits, or absent.
 
 
-def _install():
-    """Patches the TensorFlow optimizer's gradient all-reduce once per process."""
+class UnsupportedKeras(RuntimeError):
+    """Periodic sync and compressed gradients need a tested Keras: they patch its internals."""
+
+
+def _install(required: bool = True) -> bool:
+    """Patches the TensorFlow optimizer's gradient all-reduce once per process.
+
+    On a Keras distrib_tf was not tested with, patches nothing: raises `UnsupportedKeras`
+    when `required`, else returns False (the step timing then goes without).
+    """
+    if not compat.is_tested_version():
+        if not required:
+            return False
+        low, high = (".".join(map(str, v)) for v in compat.TESTED_KERAS)
+        raise UnsupportedKeras(f"Keras {keras.__version__} is not a version distrib_tf was tested with "
+                               f"({low} to {high}.x): periodic sync and compressed gradients patch its "
+                               "optimizer's gradient all-reduce and are not available on it.")
+    from keras.src.backend.tensorflow import optimizer as _tf_optimizer  # pylint: disable=import-outside-toplevel
     owner = _tf_optimizer.TFOptimizer
     if getattr(owner._all_reduce_sum_gradients, "__distrib_tf_original__", None):  # pylint: disable=protected-access
-        return
+        return True
     keras_all_reduce = owner._all_reduce_sum_gradients  # pylint: disable=protected-access
 
     def original(self, grads_and_vars):
@@ -89,6 +105,7 @@ def _install():
 
     all_reduce_sum_gradients.__distrib_tf_original__ = keras_all_reduce
     owner._all_reduce_sum_gradients = all_reduce_sum_gradients  # pylint: disable=protected-access
+    return True
 
 
 def _time_wait(clock, local, reduced) -> None:
@@ -108,10 +125,12 @@ def time_all_reduce(optimizer, clock) -> None:
     """Adds every step's wait on the gradient all-reduce to `clock` (a float64 variable).
 
     The wait runs from this replica's last gradient to its last reduced gradient;
-    `None` stops the timing. Used by `distrib_tf.keras.progress` to tell a worker's own
+    `None` stops the timing. On a Keras distrib_tf was not tested with, nothing is timed
+    (`clock` stays 0). Used by `distrib_tf.keras.progress` to tell a worker's own
     step time from the time it spent waiting for the others.
     """
-    _install()
+    if not _install(required=False):
+        return
     for each in _inner_optimizers(optimizer):
         if clock is None:
             each.__dict__.pop(_CLOCK, None)
