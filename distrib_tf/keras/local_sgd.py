@@ -44,6 +44,7 @@ import functools
 import keras
 import numpy as np
 import tensorflow as tf
+
 from distrib_tf.keras import compat
 
 _MODE = "_distrib_tf_gradients"  # On an optimizer: "local", a dtype name, or absent.

@@ -11,9 +11,8 @@ import logging
 import sys
 
 import keras
+import keras.src.backend.tensorflow as backend  # The private package to empty.
 import numpy as np
-
-import keras.src.backend.tensorflow as backend  # noqa: E402  (the private package to empty)
 
 for name in ("trainer", "optimizer"):
     delattr(backend, name)
