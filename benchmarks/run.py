@@ -1,13 +1,15 @@
 """`make bench`: distrib_tf against baselines run side by side, interleaved, repeated.
 
-    python benchmarks/run.py [--tiny] [--reps=5] [--parts=p1,p2,p3,p4] [--out=DIR]
+    python benchmarks/run.py [--tiny] [--reps=5] [--parts=p1,p2,p3,p4] [--no_cpu_binding] [--out=DIR]
 
 Each figure compares two sides measured in this run, alternately (A B, B A, A B, ...),
 `--reps` times each; `results.json` holds every value with its min, median and max, and
 the versions and machine (the previous `results.json` becomes `results.previous.json`, to
 compare two runs). `--tiny` runs every part at a toy size, to check the scripts.
 
-- P1: the main job on 2 workers through distrib_tf (`distrib-tf-launch --workers=2 --
+- P1: the main job on 2 workers through distrib_tf (whose launcher binds each worker to
+  its share of the cores and sizes its thread pools; `--no_cpu_binding` turns that off,
+  so that both sides run with TensorFlow's default threads) (`distrib-tf-launch --workers=2 --
   python -m distrib_tf.train`) / the same training written by hand (`baseline.py`: same
   data read the same way, same model, hand-set TF_CONFIG). Two ratios: training-step time
   (the same timer on both sides), and wall time per epoch after the first (validation,
@@ -67,10 +69,13 @@ def _check(proc_or_result, output=""):
         raise RuntimeError(f"{proc_or_result.args} failed:\n{output[-3000:]}")
 
 
+LAUNCHER_FLAGS = []  # `--no_cpu_binding`: the launcher leaves CPUs and thread pools as the hand-started side has them.
+
+
 def launched(command, timeout=900):
     """`command` on 2 local workers through distrib_tf's launcher; returns its start time."""
     started = time.time()
-    result = subprocess.run([PY, "-m", "distrib_tf.launch", "--workers=2", "--", *command],
+    result = subprocess.run([PY, "-m", "distrib_tf.launch", "--workers=2", *LAUNCHER_FLAGS, "--", *command],
                             env=ENV, capture_output=True, text=True, timeout=timeout)
     _check(result, result.stdout + result.stderr)
     return started
@@ -236,11 +241,16 @@ def main(argv=None):
     parser.add_argument("--parts", default="p1,p2,p3,p4",
                         help="which figures (default all); a subset is written to results.PARTS.json")
     parser.add_argument("--out", default=HERE, help="where results.json and allreduce.png go")
+    parser.add_argument("--no_cpu_binding", action="store_true",
+                        help="the launcher does not bind its tasks to CPUs nor size their thread pools, "
+                             "so both sides of P1 and P4 run with TensorFlow's default threads")
     args = parser.parse_args(argv)
     parts = args.parts.split(",")
     if "p3" in parts and shutil.which("iperf3") is None:
         sys.exit("benchmarks/run.py: error: P3 needs iperf3 (apt-get install iperf3)")
     reps = 1 if args.tiny else args.reps
+    if args.no_cpu_binding:
+        LAUNCHER_FLAGS.append("--no_cpu_binding")
     started = time.time()
     results = {"environment": environment(), "reps": reps}
     sizes = {  # part: (tiny, full) keyword arguments

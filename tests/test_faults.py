@@ -226,3 +226,48 @@ def test_sigkill_while_a_backup_is_written_leaves_one_that_restores(tmp_path):
     assert "chief:0 resumes at step 3 " in resumed.output
     fingerprint = re.compile(r"final weights sha256 (\w+)")
     assert fingerprint.findall(resumed.output) == fingerprint.findall(reference.output)
+
+
+@pytest.mark.multiworker
+def test_a_chief_killed_while_it_writes_its_outputs_leaves_a_job_that_finishes(tmp_path):
+    """strace holds the rename that commits the chief's SavedModel (`serving/`, after
+    `model.keras`, before `summary.json`); both workers are killed during the hold (the
+    launcher's group restart). Every worker still holds its backup of the last step, so the
+    restarted job resumes there and writes the outputs."""
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("needs strace (Debian package strace; .ci/run installs it)")
+    from cluster_runner import local_spec  # pylint: disable=import-outside-toplevel
+    from cluster_runner import run_cluster  # pylint: disable=import-outside-toplevel
+
+    model_dir = tmp_path / "run"
+    args = ["-m", "distrib_tf.train", "--epochs=1", "--steps_per_epoch=12", "--backup_every_steps=6",
+            f"--model_dir={model_dir}"]
+    spec = local_spec(2).with_free_ports()
+    held = model_dir / ".partial.serving"
+    renames = "rename,renameat,renameat2"
+    procs = []
+    for task in spec.tasks:
+        hold = ([strace, "-f", "--seccomp-bpf", "-qq", "-P", str(held), "-e", f"trace={renames}",
+                 "-e", f"inject={renames}:delay_enter=120s"] if task.index == 0 else [])
+        procs.append(subprocess.Popen([*hold, sys.executable, *args], env={**ENV, "TF_CONFIG": spec.tf_config(task)},
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+    try:
+        deadline = time.monotonic() + 240
+        while not held.exists() and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.1)
+        time.sleep(2.0)  # Inside the held rename.
+        assert procs[0].poll() is None and held.exists(), "the chief ended before the held write"
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # worker:1 may have finished (and exited) already.
+                pass
+            proc.wait()
+    assert (model_dir / "model.keras").exists() and not (model_dir / "summary.json").exists()
+    again = run_cluster(args, spec=local_spec(2), env={"PYTHONPATH": ROOT}, timeout=300)
+    for result in again:
+        assert result.returncode == 0, (result.task, result.output[-3000:])
+        assert f"{result.task} resumes at step 12 " in result.output
+    assert (model_dir / "summary.json").exists() and not (model_dir / "backup").exists()

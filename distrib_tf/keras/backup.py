@@ -7,8 +7,13 @@ its own directory, `model_dir/backup/<task>/` on its own host:
     step-000000120.json         {"run": ..., "step": 120, "epoch": 3, "task": "worker:1"}
 
 The `.json` file is written last and atomically: a backup without it does not exist, so
-a process killed while writing leaves the previous backup whole. The last `keep`
-backups are kept. Keras 3 saving runs no collectives, so each worker saves alone.
+a process killed while writing leaves the previous backup whole. Both files and the
+directory are synced to the disk before the metadata counts (a machine that crashes
+cannot leave metadata pointing at weights still in its page cache), and the metadata
+holds the weights' size and SHA-256: a backup whose weights do not match is not listed,
+so every worker advertises only backups that will load, and all of them fall back to the
+newest one they all hold intact. The last `keep` backups are kept. Keras 3 saving runs
+no collectives, so each worker saves alone.
 
 On a start, `agree_on_resume()` gathers from every worker which steps it holds (one
 all-gather, before training) and every worker takes the same decision:
@@ -26,6 +31,7 @@ Example:
 """
 
 import glob
+import hashlib
 import json
 import os
 import re
@@ -52,7 +58,7 @@ def task_dirname(task: str) -> str:
 
 
 def list_backups(directory: str) -> list[dict]:
-    """The complete backups in `directory`, oldest first (their metadata)."""
+    """The complete, intact backups in `directory`, oldest first (their metadata)."""
     found = []
     for path in glob.glob(os.path.join(glob.escape(directory), "step-*.json")):
         if not _NAME.search(path):
@@ -62,9 +68,36 @@ def list_backups(directory: str) -> list[dict]:
                 meta = json.load(f)
         except (OSError, ValueError):
             continue
-        if os.path.exists(_weights_path(directory, meta.get("step", -1))):
+        if _intact(_weights_path(directory, meta.get("step", -1)), meta):
             found.append(meta)
     return sorted(found, key=lambda m: m["step"])
+
+
+def _intact(weights: str, meta: dict) -> bool:
+    """The weights exist and, where the metadata says (all but older backups), match it."""
+    try:
+        if "bytes" in meta and os.path.getsize(weights) != meta["bytes"]:
+            return False
+        return "sha256" not in meta or _sha256(weights) == meta["sha256"]
+    except OSError:
+        return False
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync(path: str) -> None:
+    """Flushes a file, or a directory's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _weights_path(directory: str, step: int) -> str:
@@ -121,15 +154,18 @@ class WorkerBackup(keras.callbacks.Callback):
         weights = _weights_path(self.directory, self.step)
         writing = weights[: -len(".weights.h5")] + ".writing.weights.h5"
         self.model.save_weights(writing, overwrite=True)
+        fsync(writing)
         os.replace(writing, weights)
         meta = {"run": self.run, "step": self.step, "epoch": self.step // self.steps_per_epoch,
-                "task": self.task}
+                "task": self.task, "bytes": os.path.getsize(weights), "sha256": _sha256(weights)}
         meta_path = _meta_path(self.directory, self.step)
         with open(meta_path + ".writing", "w", encoding="utf-8") as f:
             json.dump(meta, f)
             f.flush()
             os.fsync(f.fileno())
+        fsync(self.directory)  # The weights' rename is on the disk before the metadata's.
         os.replace(meta_path + ".writing", meta_path)
+        fsync(self.directory)
         self.saved_step = self.step
         events.emit("backup", step=self.step)
         for old in list_backups(self.directory)[: -self.keep]:
@@ -139,11 +175,14 @@ class WorkerBackup(keras.callbacks.Callback):
 
 
 def write_json_atomically(path: str, content: dict) -> None:
-    """Writes `content` to `path` through a temporary file and a rename: whole or not at all."""
+    """Writes `content` to `path` through a temporary file and a rename, synced: whole or not at all."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(content, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync(os.path.dirname(path) or ".")
 
 
 def remove_backups(directory: str) -> None:

@@ -13,6 +13,8 @@ import time
 import keras
 import tensorflow as tf
 
+from distrib_tf.keras import backup
+
 logger = logging.getLogger("distrib_tf")
 
 
@@ -40,7 +42,9 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         writing = path[: -len(".weights.h5")] + ".writing.weights.h5"
         self.model.save_weights(writing, overwrite=True)
+        backup.fsync(writing)
         os.replace(writing, path)
+        backup.fsync(os.path.dirname(path))
 
 
 class EpochTimer(keras.callbacks.Callback):

@@ -98,7 +98,10 @@ def main(argv):
         _fail(f"unexpected arguments {argv[1:]}; flags look like --epochs=3")
     try:  # The flags and TF_CONFIG first, without TensorFlow: a typo is answered in a moment.
         config = config_from_flags()
-        cluster.load_tf_config()
+        tf_config = cluster.load_tf_config()
+        if tf_config is not None and tf_config[1].type != "evaluator":
+            config.check_replicas(tf_config[0].num_workers)
+        config.check_replicas(config.cpu_replicas or 1)
     except ValueError as e:  # ClusterSpecError is a ValueError.
         _fail(str(e))
     # pylint: disable=import-outside-toplevel  (TensorFlow from here on)

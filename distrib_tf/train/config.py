@@ -108,6 +108,15 @@ class TrainConfig:
             invalid_flag("allreduce_dtype", self.allreduce_dtype, "float32 with periodic --sync, which "
                      "averages weights, not gradients")
 
+    def check_replicas(self, replicas: int) -> None:
+        """Refuses what cannot run on `replicas` replicas (known from TF_CONFIG or the strategy)."""
+        if self.mixed_precision == "float16" and replicas > 1:
+            raise ValueError(
+                f"Invalid value for `--mixed_precision`. Received: 'float16' with {replicas} replicas. Expected "
+                "off or bfloat16: under float16, Keras's LossScaleOptimizer decides whether a step is finite "
+                "from each replica's own gradients, so replicas can disagree (a hang, or an overflow applied); "
+                "bfloat16 needs no loss scaling.")
+
     def sync_every(self) -> int | None:
         """Steps between weight averages: `None` for `step` (gradients every step), 0 for `epoch`."""
         if self.sync == "step":

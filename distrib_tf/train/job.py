@@ -16,6 +16,7 @@ import sys
 import time
 
 import keras
+import numpy as np
 
 from distrib_tf import cluster
 from distrib_tf import data
@@ -71,6 +72,7 @@ def prepare_job(config: TrainConfig, model_dir: str) -> Job:
         invalid_flag("dataset", config.dataset,
                  f"a dataset of {MODEL_KINDS[config.model]}s for --model={config.model}")
     data.check_global_batch_size(config.global_batch_size, strategy.num_replicas_in_sync)
+    config.check_replicas(strategy.num_replicas_in_sync)  # Several GPUs of one host, too.
     steps = config.steps_per_epoch or data.steps_per_epoch(info, "train", config.global_batch_size)
     config.profile_range(last_step=config.epochs * steps)
     validation_steps = data.steps_per_epoch(info, "test", config.global_batch_size)
@@ -185,7 +187,6 @@ def run_job(job: Job) -> dict:
         step = until * job.steps_per_epoch
     final = model.evaluate(distributed("test"), steps=job.validation_steps,
                            return_dict=True, verbose=0)
-    backup.remove_backups(backup_dir)
     timer = callbacks[0]
     summary = {
         "config": dataclasses.asdict(config),
@@ -211,6 +212,12 @@ def run_job(job: Job) -> dict:
     if job.is_chief:
         serving.export_model(model, job.model_dir)
         backup.write_json_atomically(os.path.join(job.model_dir, "summary.json"), summary)
+    # Backups go only once the chief's outputs are written: every worker meets here first
+    # (one all-gather). A job killed before this resumes at its last step on every worker
+    # and writes them again; deleting earlier left a worker without a backup beside a
+    # chief that had not finished, a restart that could only exit 2.
+    backup.gather_rows(strategy, np.zeros(1))
+    backup.remove_backups(backup_dir)
     events.emit("finished", final=summary["final"],
                 summary=os.path.join(job.model_dir, "summary.json") if job.is_chief else None)
     return summary

@@ -22,6 +22,8 @@ import hashlib
 import os
 import shutil
 
+from distrib_tf.keras import backup
+
 KERAS_FILE = "model.keras"
 SAVED_MODEL_DIR = "serving"
 
@@ -41,13 +43,18 @@ def export_model(model, model_dir: str) -> tuple[str, str]:
     keras_path = os.path.join(model_dir, KERAS_FILE)
     partial = os.path.join(model_dir, f".partial.{KERAS_FILE}")
     model.save(partial)
+    backup.fsync(partial)
     os.replace(partial, keras_path)
     serving = os.path.join(model_dir, SAVED_MODEL_DIR)
     partial = os.path.join(model_dir, f".partial.{SAVED_MODEL_DIR}")
     shutil.rmtree(partial, ignore_errors=True)
     model.export(partial, verbose=False)
+    for folder, _, files in os.walk(partial):  # On the disk before the rename makes it the model.
+        for name in [*files, "."]:
+            backup.fsync(os.path.join(folder, name))
     shutil.rmtree(serving, ignore_errors=True)
     os.replace(partial, serving)
+    backup.fsync(model_dir)
     return keras_path, serving
 
 
