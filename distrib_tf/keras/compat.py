@@ -36,7 +36,7 @@ Keras 3 (tested: `TESTED_KERAS`) on TensorFlow breaks under
    joins the pipeline's thread (in a debugger: `RootDataset::Iterator`'s destructor,
    joining while tf.data's autotuning thread sleeps), for seconds per epoch while the
    other workers wait at validation's first collective (BENCHMARKS.md). The same wait
-   comes when `fit` or `evaluate` returns and drops its iterators: measured 8.5 s
+   comes when `fit`, `evaluate` or `predict` returns and drops its iterators: measured 8.5 s
    between the last epoch's callbacks and `fit` returning, on every worker of the
    main job. Fixed by dropping them on a thread of their own, which the process waits
    for at exit; nothing else changes.
@@ -103,6 +103,7 @@ def _fixes():
             (_tf_trainer.TFEpochIterator, "__init__", _track_iterator),
             (_tf_trainer.TensorFlowTrainer, "fit", _release_iterators_after),
             (_tf_trainer.TensorFlowTrainer, "evaluate", _release_iterators_after),
+            (_tf_trainer.TensorFlowTrainer, "predict", _release_iterators_after),
         ],
         "tensorboard": [
             (callbacks.TensorBoard, "set_model", _tensorboard_set_model),
@@ -275,19 +276,23 @@ def _reset_off_the_main_thread(original, self):
         threading.Thread(target=held.clear, name=RELEASE_THREAD).start()
 
 
-_created_iterators = []  # Every TFEpochIterator since the outermost fit or evaluate began.
+_created_iterators = []  # The TFEpochIterators created inside the fit, evaluate or predict running.
+_calls = [0]  # How many of those are running (evaluate runs inside fit).
 
 
 def _track_iterator(original, self, *args, **kwargs):
     original(self, *args, **kwargs)
-    _created_iterators.append(self)
+    if _calls[0]:  # One made elsewhere is its maker's to let go of.
+        _created_iterators.append(self)
 
 
 def _release_iterators_after(original, self, *args, **kwargs):
     start = len(_created_iterators)
+    _calls[0] += 1
     try:
         return original(self, *args, **kwargs)
     finally:  # The call's frame is gone: the list holds the last references to its iterators.
+        _calls[0] -= 1
         held = _created_iterators[start:]
         del _created_iterators[start:]
         if held:
