@@ -12,12 +12,13 @@ the job starts (`--worker` mode below):
 - `no_progress`: the whole `Progress` callback (step timing, its exchange, events);
 - `no_finite_check`: `StopOnNonFinite`, the per-step finiteness check;
 - `no_culprit_metric`: the `NonFiniteReplicas` metric (one more logged value per step);
-- `no_normalization_collectives`: the CNN's normalization without cross-replica
-  statistics (BatchNormalization unsynchronized; no change where none are needed);
 - `none_of_ours`: all of the above at once;
 - `full_packed_<N>k`: the main job with its gradients all-reduced in packs of about N KiB,
   last layers first, so that a pack can travel while the backward pass goes on
   (`make_strategy(bytes_per_pack=...)`; the main job's default is one pack).
+
+(`overhead.before.json` also has `no_normalization_collectives`, the CNN's synchronized
+BatchNormalization unsynchronized: the CNN now normalizes per example and has none.)
 
 Runs are interleaved (each rep rotates the order of the variants), `--reps` times; the
 figure is the median training-step time (first epoch left out, the same timer as
@@ -47,7 +48,7 @@ from distrib_tf.cluster import ClusterSpec  # noqa: E402  (no TensorFlow here)
 PY = sys.executable
 PINNED = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": ROOT}
-ADDITIONS = ("step_timing", "progress", "finite_check", "culprit_metric", "normalization_collectives")
+ADDITIONS = ("step_timing", "progress", "finite_check", "culprit_metric")
 VARIANTS = {"full": (), **{f"no_{name}": (name,) for name in ADDITIONS}, "none_of_ours": ADDITIONS,
             "full_packed_16k": ("pack=16384",), "full_packed_64k": ("pack=65536",)}
 
@@ -84,15 +85,6 @@ def switch_off(names) -> None:
             return compile_(self, *args, metrics=metrics, **kwargs)
 
         keras.Model.compile = compile_without
-    if "normalization_collectives" in names:
-        build = job.build_model
-
-        def build_local(kind, **kwargs):
-            if "synchronized_bn" in kwargs:
-                kwargs["synchronized_bn"] = False
-            return build(kind, **kwargs)
-
-        job.build_model = build_local
 
 
 def run_variant(scratch, model, variant, *, epochs, steps, tag) -> float:
