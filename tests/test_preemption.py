@@ -11,6 +11,7 @@ import pytest
 
 from cluster_runner import QUIET_TF
 from cluster_runner import checkpoint_arrays
+from cluster_runner import kill_left
 from cluster_runner import weights_difference
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
@@ -73,3 +74,50 @@ def test_sigterm_mid_epoch_loses_no_step(tmp_path, model, shapes_on_disk):
           f"run by {difference:.2g} (relative L2), bit-identical: {fingerprints[0] == fingerprints[1]}")
     assert fingerprints[0] == fingerprints[1] and len(fingerprints[0]) == 1, fingerprints  # Bit-identical.
     assert difference == 0
+
+
+PHASE_STEPS = 4  # Steps an epoch; 2 epochs.
+
+
+@pytest.mark.parametrize("phase", ["start-up", "validation", "final-evaluate", "export"])
+def test_sigterm_outside_training_batches_exits_75_and_the_job_resumes(tmp_path, phase):
+    """A SIGTERM in any phase but a training batch: the job exits 75 (not 130 after the
+    grace's SIGKILL) and, started again, resumes at the last step every worker backed up."""
+    request = tmp_path / "sigterm.request"
+
+    def job(*command):
+        return [sys.executable, "-m", "distrib_tf.launch", f"--cluster_spec={ROOT}/cluster_specs/local_2workers.json",
+                "--grace_period=20", "--", sys.executable, *command, "--model=cnn", "--epochs=2",
+                f"--steps_per_epoch={PHASE_STEPS}", f"--model_dir={tmp_path / 'run'}"]
+
+    log = tmp_path / "preempted.out"
+    with open(log, "w") as out:
+        preempted = subprocess.Popen(job(f"{ROOT}/tests/workers/sigterm_at.py", phase, str(request)),
+                                     env=ENV, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not request.exists() and preempted.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        preempted.send_signal(signal.SIGTERM)  # The scheduler's.
+        preempted.wait(timeout=120)
+    finally:
+        kill_left([preempted])
+    output = log.read_text()
+    assert f"{phase}: asked for SIGTERM" in output, output[-3000:]  # The fault happened, in that phase.
+    assert preempted.returncode == 75, output[-3000:]
+    saved = dict(re.findall(r"(worker:\d) preempted: (backed up step \d+|the backups are as they were)", output))
+    expected = "the backups are as they were" if phase == "start-up" else f"backed up step {2 * PHASE_STEPS}"
+    assert expected in saved.values(), output[-3000:]
+    resumed = _run_command(job("-m", "distrib_tf.train"))
+    resumes = sorted(re.findall(r"(worker:\d) resumes at step (\d+)", resumed))
+    if phase == "start-up":
+        assert resumes == [], resumed[-3000:]
+    else:  # Training was done: the restart evaluates and exports, it trains nothing again.
+        assert resumes == [("worker:0", str(2 * PHASE_STEPS)), ("worker:1", str(2 * PHASE_STEPS))], resumed[-3000:]
+    assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "serving").is_dir()
+
+
+def _run_command(command):
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    return result.stdout

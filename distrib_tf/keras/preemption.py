@@ -2,19 +2,24 @@
 
 Clusters take machines back with a SIGTERM first (Slurm before a preemption or the end of
 a time limit, Kubernetes before an eviction). `install_sigterm_handler()` makes SIGTERM
-only record that it came. `SaveOnPreemption` then has every worker agree on the next
-step through the coordination service, back it up and raise `Preempted`; between
-preemptions it costs nothing but a flag read per step. The main job then exits with
+only record that it came. Between training batches, `SaveOnPreemption` then has every
+worker agree on the next step through the coordination service, back it up and raise
+`Preempted`; between preemptions it costs nothing but a flag read per step. Outside the
+training batches (start-up, validation, a final evaluate, an export) nothing changes the
+weights, so nothing needs agreeing: inside `saved(step)`, entered once every worker's
+backup holds `step`, SIGTERM raises `Preempted` at once. The main job then exits with
 `distrib_tf.exit_codes.PREEMPTED` (75), which the launcher forwards; started again, the job resumes at
 that step (`distrib_tf.keras.backup`): no step is lost.
 
 Example, for a Keras user's own `fit`:
 
-    >>> install_sigterm_handler()
+    >>> strategy = distrib_tf.make_strategy()
+    >>> install_sigterm_handler()  # After the strategy: making one takes SIGTERM's handler.
     >>> backup = WorkerBackup(...)
     >>> model.fit(..., callbacks=[backup, SaveOnPreemption(backup)])
 """
 
+import contextlib
 import os
 import signal
 import threading
@@ -23,25 +28,69 @@ import keras
 import tensorflow as tf
 from tensorflow.python.eager import context  # The coordination service's key-value store.
 
-_requested = False
+_requested = _installed = False
+_saved: list = []  # Innermost last: the step every worker's backup holds (`saved()`).
 GRACE_ENV = "DISTRIB_TF_GRACE_SECONDS"  # Set by `distrib_tf.launch` from its `--grace_period`.
 
 
 class Preempted(Exception):
-    """Every worker backed up `step` because one of them received SIGTERM."""
+    """Every worker backed up `step` because one of them received SIGTERM.
 
-    def __init__(self, step: int):
-        super().__init__(f"preempted: every worker backed up step {step}")
+    `step` is `None` when it came before training started: the backups are as they were."""
+
+    def __init__(self, step: int | None):
+        super().__init__(f"preempted: every worker backed up step {step}" if step is not None
+                         else "preempted before training started: the backups are as they were")
         self.step = step
 
 
 def install_sigterm_handler() -> None:
-    """SIGTERM then only records that a preemption is coming (main thread only)."""
-    def record(signum, frame):
-        global _requested
-        _requested = True
+    """SIGTERM then records that a preemption is coming, or raises inside `saved()`
+    (main thread only).
 
-    signal.signal(signal.SIGTERM, record)
+    Making a `MultiWorkerMirroredStrategy` installs TensorFlow's own SIGTERM handler (the
+    coordination service's preemption notifier, which does not stop the process): call
+    this after it, or `reclaim_sigterm()` once it is made.
+    """
+    global _installed
+    _installed = True
+    signal.signal(signal.SIGTERM, _record)
+
+
+def reclaim_sigterm() -> None:
+    """Takes SIGTERM back from TensorFlow's notifier, if `install_sigterm_handler()` was called."""
+    if _installed:  # `signal.getsignal` cannot tell: it answers what Python last set.
+        signal.signal(signal.SIGTERM, _record)
+
+
+def _record(signum, frame):
+    global _requested
+    _requested = True
+    if _saved:
+        raise Preempted(_saved[-1])
+
+
+def requested() -> bool:
+    return _requested
+
+
+@contextlib.contextmanager
+def saved(step: int | None):
+    """Inside, a SIGTERM raises `Preempted(step)` at once (and on entry, if one came).
+
+    For the phases that change no weight: enter once every worker's backup holds `step`
+    (`None`: before training, with the backups as they were) and keep inside only work
+    that a restart can redo, whose files appear by a rename (the export). A worker still
+    inside a collective there is not waited for: its backup holds `step` too.
+    Without `install_sigterm_handler()` it does nothing.
+    """
+    _saved.append(step)
+    try:
+        if _requested:
+            raise Preempted(step)
+        yield
+    finally:
+        _saved.pop()
 
 
 def request() -> None:
@@ -76,9 +125,12 @@ class SaveOnPreemption(keras.callbacks.Callback):
             ack_timeout = float(grace) / 4 if grace else 120.0
         self.worker_backup, self.ack_timeout = worker_backup, ack_timeout
         self._fits = 0
+        self._in_fit, self._validating = False, None
 
     def on_train_begin(self, logs=None):
         self._fits += 1  # A key per fit: the main job fits again after a rollback.
+        self._leave_validation()
+        self._in_fit = True
         self._key, self._target, self._named = f"distrib_tf/preempt/{self._fits}", None, False
         resolver = getattr(self.model.distribute_strategy, "cluster_resolver", None)
         spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
@@ -117,7 +169,26 @@ class SaveOnPreemption(keras.callbacks.Callback):
             return False
         return True
 
+    def on_test_begin(self, logs=None):
+        """Validation inside `fit`: every worker backs up the step first, then SIGTERM stops
+        it at once (validation runs no training step to agree on)."""
+        self._leave_validation()
+        if self._in_fit:  # An `evaluate` of its own is its caller's to guard (`saved()`).
+            self.worker_backup.save()
+            self._validating = saved(self.worker_backup.step)
+            self._validating.__enter__()  # pylint: disable=unnecessary-dunder-call
+
+    def on_test_end(self, logs=None):
+        self._leave_validation()
+
+    def _leave_validation(self):
+        """Also after a validation that SIGTERM ended: its entry would outlive it."""
+        validating, self._validating = self._validating, None
+        if validating is not None:
+            validating.__exit__(None, None, None)
+
     def on_train_end(self, logs=None):
+        self._in_fit = False
         if len(self._tasks) > 1:
             _set_once(self._key, _NONE)  # Ends the watching threads of this fit.
 

@@ -309,6 +309,9 @@ def _stop_on_signal(group, signum, config, attempt, first_failure, console) -> L
          "the main job saves first)", console)
     codes = group.stop(config.grace_period)
     group.finish(None)
+    if all(code == exit_codes.OK for code in codes):  # They had finished: nothing to resume.
+        _say(f"every task succeeded (attempt {attempt})", console)
+        return LaunchResult(exit_codes.OK, attempt, first_failure)
     if signum == signal.SIGTERM and exit_codes.PREEMPTED in codes:
         _say("preempted: every worker saved its state; start the job again to resume", console)
         return LaunchResult(exit_codes.PREEMPTED, attempt, first_failure)

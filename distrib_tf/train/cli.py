@@ -17,6 +17,7 @@ call too.
 
 import dataclasses
 import os
+import signal
 import sys
 import time
 
@@ -92,6 +93,8 @@ def _parse_flags(argv):
 
 
 def main(argv):
+    early_sigterm = []  # Until TensorFlow is imported; then `preemption` takes over.
+    signal.signal(signal.SIGTERM, lambda signum, frame: early_sigterm.append(signum))
     absl_logging.set_verbosity(absl_logging.WARNING)  # TensorFlow's INFO lines drown the progress.
     distrib_tf.log_to_stderr()
     if len(argv) > 1:
@@ -112,12 +115,19 @@ def main(argv):
     from distrib_tf.train.job import prepare_job
     from distrib_tf.train.job import run_job
 
+    # SIGTERM exits 75 from here on, in any phase (`distrib_tf.keras.preemption`).
+    preemption.install_sigterm_handler()
+    if early_sigterm:
+        preemption.request()
     try:
-        job = prepare_job(config, FLAGS.model_dir or os.path.join("runs", config.model))
+        with preemption.saved(None):
+            job = prepare_job(config, FLAGS.model_dir or os.path.join("runs", config.model))
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
-    if not job.is_evaluator:
-        preemption.install_sigterm_handler()
+    except preemption.Preempted as e:
+        _preempted(str(tf_config[1]) if tf_config else "chief:0", e)
+    if job.is_evaluator:  # It saves nothing: a SIGTERM ends it as usual.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         summary = run_job(job)
     except backup.ResumeError as e:
@@ -125,9 +135,7 @@ def main(argv):
     except nonfinite.NonFiniteLoss as e:
         _fail(f"{job.task}: {e} Every worker stopped at this step.", exit_codes.NONFINITE)
     except preemption.Preempted as e:
-        print(f"{job.task} preempted: backed up step {e.step} like every worker; start the job "
-              f"again to resume there (exit code {exit_codes.PREEMPTED})", flush=True)
-        sys.exit(exit_codes.PREEMPTED)
+        _preempted(job.task, e)
     except Exception as e:  # The root cause, for the launcher; then the traceback as usual.
         if (message := records.data_error_in(e)) is not None:  # A shard changed after prepare.
             _fail(f"{job.task}: {message}", now=True)
@@ -140,6 +148,17 @@ def main(argv):
               f"summary: {os.path.join(job.model_dir, 'summary.json')}", flush=True)
     if job.strategy_name == "MultiWorkerMirroredStrategy" and not job.is_evaluator:
         _leave_together(job)
+
+
+def _preempted(task: str, error):
+    saved = ("the backups are as they were" if error.step is None
+             else f"backed up step {error.step} like every worker")
+    print(f"{task} preempted: {saved}; start the job again to resume there "
+          f"(exit code {exit_codes.PREEMPTED})", flush=True)
+    # A task gets SIGTERM twice (its process group's, and its init's forwarded copy), and the
+    # interpreter's teardown restores SIGTERM's default, which would end it by the signal.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(exit_codes.PREEMPTED)
 
 
 def _leave_together(job):

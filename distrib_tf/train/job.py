@@ -66,6 +66,7 @@ def prepare_job(config: TrainConfig, model_dir: str) -> Job:
     data.check_dataset_name(config.dataset)
     strategy = make_strategy(config.strategy, cpu_replicas=config.cpu_replicas,
                              timeout_seconds=config.collective_timeout)
+    preemption.reclaim_sigterm()  # From TensorFlow's notifier, if the job had installed ours.
     info = data.load_info(config.dataset, data_dir=config.data_dir)
     data.check_random_access(info)
     if info.kind != MODEL_KINDS[config.model]:
@@ -126,16 +127,18 @@ def run_job(job: Job) -> dict:
             info, split, global_batch_size=config.global_batch_size, seed=config.seed,
             start_step=start_step))
 
-    model = build_compiled_model(config, info, strategy)
     if job.is_evaluator:
+        model = build_compiled_model(config, info, strategy)
         results = evaluator.evaluate_checkpoints(
             model, distributed("test"), steps=job.validation_steps, model_dir=job.model_dir,
             last_epoch=config.epochs)
         return {"evaluator": results}
-    if job.is_chief:
-        os.makedirs(job.model_dir, mode=0o700, exist_ok=True)
-    backup_dir = os.path.join(job.model_dir, "backup", backup.task_dirname(job.task))
-    start_step = backup.agree_on_resume(model, backup_dir, run=config.run_id(), task=job.task)
+    with preemption.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.
+        model = build_compiled_model(config, info, strategy)
+        if job.is_chief:
+            os.makedirs(job.model_dir, mode=0o700, exist_ok=True)
+        backup_dir = os.path.join(job.model_dir, "backup", backup.task_dirname(job.task))
+        start_step = backup.agree_on_resume(model, backup_dir, run=config.run_id(), task=job.task)
     if start_step:
         print(f"{job.task} resumes at step {start_step} (epoch {start_step // job.steps_per_epoch + 1}, "
               f"step {start_step % job.steps_per_epoch} of it) from {backup_dir}", flush=True)
@@ -185,8 +188,9 @@ def run_job(job: Job) -> dict:
             history.setdefault(key, []).extend(values)
         epochs += fitted.epoch
         step = until * job.steps_per_epoch
-    final = model.evaluate(distributed("test"), steps=job.validation_steps,
-                           return_dict=True, verbose=0)
+    with preemption.saved(step):  # Every worker's backup holds the last step (an epoch's end).
+        final = model.evaluate(distributed("test"), steps=job.validation_steps,
+                               return_dict=True, verbose=0)
     timer = callbacks[0]
     summary = {
         "config": dataclasses.asdict(config),
@@ -210,8 +214,9 @@ def run_job(job: Job) -> dict:
     # Every worker: identical weights on all of them is the point of synchronous training.
     print(f"{job.task} final weights sha256 {summary['weights_sha256']}", flush=True)
     if job.is_chief:
-        serving.export_model(model, job.model_dir)
-        backup.write_json_atomically(os.path.join(job.model_dir, "summary.json"), summary)
+        with preemption.saved(step):  # Renamed into place: a restart writes them again.
+            serving.export_model(model, job.model_dir)
+            backup.write_json_atomically(os.path.join(job.model_dir, "summary.json"), summary)
     # Backups go only once the chief's outputs are written: every worker meets here first
     # (one all-gather). A job killed before this resumes at its last step on every worker
     # and writes them again; deleting earlier left a worker without a backup beside a
