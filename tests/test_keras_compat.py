@@ -133,6 +133,10 @@ READ_ONLY_WRITE = (r"Error: \[Errno (30\] Read-only file system|17\] File exists
 DEAD_PEER = "The following tasks are unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1"
 
 
+# worker:1 traces each step function 12 s longer than worker:0; a collective times out after 6 s.
+SLOW_TRACE = ["--collective_timeout", 6, "--slow_trace_seconds", 12]
+
+
 @pytest.mark.parametrize("fix, flags, failures", [
     ("symbolic_build", [], {"worker:0": r"Attempt to convert a value \(PerReplica"}),
     ("reduce_per_replica", [], {"worker:0": r"Invalid reduction dimension 0 for input with 0 dimensions",
@@ -149,6 +153,7 @@ DEAD_PEER = "The following tasks are unhealthy (stopped sending heartbeats):\n/j
      {"worker:1": r"PermissionDeniedError: \{\{function_node __wrapped__CreateSummaryFileWriter\S*\}\} "
                   r"\S*/shared/logs\S*; Read-only file system",
       "worker:0": re.escape(DEAD_PEER)}),
+    ("trace_then_meet", SLOW_TRACE, {"worker:0": r"DeadlineExceededError[\s\S]*Collective has timed out during execution"}),
 ])
 def test_each_fix_is_needed(tmp_path, fix, flags, failures):
     """Without the fix, the upstream failure itself, in the output of the task it hits."""
@@ -163,6 +168,17 @@ def test_each_fix_is_needed(tmp_path, fix, flags, failures):
         for task in ("worker_0", "worker_1"):
             with open(tmp_path / f"{task}_sum.json") as f:
                 assert json.load(f) == "TypeError: StrategyBase.reduce() missing 1 required positional argument: 'axis'"
+
+
+def test_a_worker_slow_to_trace_is_waited_for_not_timed_out(tmp_path):
+    """Each step function is traced on every worker, then they meet, then its collectives
+    run: the collective timeout measures only a dead peer (the fix's case above fails)."""
+    results = run_cluster([USER_SCRIPT, "--out", tmp_path, "--epochs", 1, *SLOW_TRACE],
+                          spec=local_spec(2), env=ENV, timeout=120)
+    check_ok(results)
+    weights = [np.load(tmp_path / f"{task}.npz") for task in ("worker_0", "worker_1")]
+    for name in weights[0].files:  # From separate processes: one synchronous model.
+        np.testing.assert_array_equal(weights[0][name], weights[1][name])
 
 
 def test_compile_refuses_what_cannot_run_on_replicas():

@@ -42,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from distrib_tf import events
+from distrib_tf.keras import phases
 
 _NAME = re.compile(r"step-(\d+)\.json$")
 _JOB_CODES = {"chief": 0, "worker": 1}
@@ -227,7 +228,9 @@ def agree_on_resume(model, directory: str, *, run: str, task: str, include_start
             raises the same error.
     """
     strategy = model.distribute_strategy
-    rows = gather_rows(strategy, _describe_local(directory, run, task, include_start))
+    row = _describe_local(directory, run, task, include_start)
+    phases.enter(strategy, "agree_on_resume")  # A worker slow to start is not a dead one.
+    rows = gather_rows(strategy, row)
     step = decide(rows)
     if step or include_start:
         with strategy.scope():

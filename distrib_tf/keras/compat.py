@@ -40,6 +40,12 @@ Keras 3 (tested: `TESTED_KERAS`) on TensorFlow breaks under
    between the last epoch's callbacks and `fit` returning, on every worker of the
    main job. Fixed by dropping them on a thread of their own, which the process waits
    for at exit; nothing else changes.
+9. Each Keras step function is traced on its first call, whose collectives then start
+   on a worker that traced fast while a slower one is still tracing: under a collective
+   timeout (`make_strategy(timeout_seconds=S)`) a peer slow to trace, minutes for a large
+   model, fails the job as a dead one would. Fixed under several workers by tracing the
+   function first, then meeting every worker at a coordination-service barrier
+   (`distrib_tf.keras.phases`), then running it; later calls run as before.
 
 Each fix changes behaviour only in the case it names and otherwise calls the original.
 `apply()` installs them once per process; `make_strategy()` calls it for every
@@ -56,6 +62,8 @@ import threading
 
 import keras
 import tensorflow as tf
+
+from distrib_tf.keras import phases
 
 logger = logging.getLogger("distrib_tf")
 
@@ -105,6 +113,7 @@ def _fixes():
             (_tf_trainer.TensorFlowTrainer, "evaluate", _release_iterators_after),
             (_tf_trainer.TensorFlowTrainer, "predict", _release_iterators_after),
         ],
+        "trace_then_meet": [(_tf_trainer.TensorFlowTrainer, "_make_function", _trace_then_meet)],
         "tensorboard": [
             (callbacks.TensorBoard, "set_model", _tensorboard_set_model),
             (callbacks.TensorBoard, "on_train_end", _tensorboard_on_train_end),
@@ -297,3 +306,26 @@ def _release_iterators_after(original, self, *args, **kwargs):
         del _created_iterators[start:]
         if held:
             threading.Thread(target=held.clear, name=RELEASE_THREAD).start()
+
+
+# Fix 9.
+def _trace_then_meet(original, self, step_function):
+    function = original(self, step_function)
+    strategy = self.distribute_strategy
+    if self.run_eagerly or not phases.is_multi_worker(strategy):
+        return function
+    traced = [cell.cell_contents for cell in function.__closure__ or ()
+              if hasattr(cell.cell_contents, "get_concrete_function")]  # Keras's tf.function.
+    met = []
+
+    @functools.wraps(function)
+    def meet_first(iterator):
+        if not met:
+            if isinstance(iterator, tf.distribute.DistributedIterator):
+                for tf_function in traced:
+                    tf_function.get_concrete_function(iterator)
+            phases.enter(strategy, step_function.__name__)
+            met.append(True)
+        return function(iterator)
+
+    return meet_first

@@ -16,7 +16,6 @@ import sys
 import time
 
 import keras
-import numpy as np
 
 from distrib_tf import cluster
 from distrib_tf import data
@@ -25,6 +24,7 @@ from distrib_tf.keras import backup
 from distrib_tf.keras import callbacks as callbacks_lib
 from distrib_tf.keras import local_sgd
 from distrib_tf.keras import nonfinite
+from distrib_tf.keras import phases
 from distrib_tf.keras import preemption
 from distrib_tf.keras import progress
 from distrib_tf.models import build_model
@@ -217,11 +217,12 @@ def run_job(job: Job) -> dict:
         with preemption.saved(step):  # Renamed into place: a restart writes them again.
             serving.export_model(model, job.model_dir)
             backup.write_json_atomically(os.path.join(job.model_dir, "summary.json"), summary)
-    # Backups go only once the chief's outputs are written: every worker meets here first
-    # (one all-gather). A job killed before this resumes at its last step on every worker
-    # and writes them again; deleting earlier left a worker without a backup beside a
-    # chief that had not finished, a restart that could only exit 2.
-    backup.gather_rows(strategy, np.zeros(1))
+    # Backups go only once the chief's outputs are written: every worker meets here first,
+    # at a barrier (an export may take longer than a collective timeout). A job killed
+    # before this resumes at its last step on every worker and writes them again; deleting
+    # earlier left a worker without a backup beside a chief that had not finished, a
+    # restart that could only exit 2.
+    phases.enter(strategy, "outputs_written")
     backup.remove_backups(backup_dir)
     events.emit("finished", final=summary["final"],
                 summary=os.path.join(job.model_dir, "summary.json") if job.is_chief else None)

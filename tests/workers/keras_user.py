@@ -5,6 +5,7 @@ saw into `--out` (weights, losses, evaluate, predict) for the tests to compare.
 """
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -31,6 +32,10 @@ def parse_args():
                         help="worker:1 sees `shared/` read-only, as a host whose disk the chief's "
                              "files are not on (root: a mount namespace of its own)")
     parser.add_argument("--delete_backup", action="store_true", help="BackupAndRestore(delete_checkpoint=True)")
+    parser.add_argument("--collective_timeout", type=float, default=None)
+    parser.add_argument("--slow_trace_seconds", type=float, default=0,
+                        help="worker:1 takes this long to trace each step function, as a large "
+                             "model on a loaded machine does")
     return parser.parse_args()
 
 
@@ -57,6 +62,20 @@ def reduce_sum_across_workers(strategy, tf):
         return f"{type(e).__name__}: {e}"
 
 
+def slow_to_trace(step, seconds):
+    """`step`, sleeping `seconds` the first time it runs: when its function is traced."""
+    traced = []
+
+    @functools.wraps(step)
+    def slow(*args, **kwargs):
+        if not traced:
+            traced.append(True)
+            time.sleep(seconds)
+        return step(*args, **kwargs)
+
+    return slow
+
+
 def make_data():
     rng = np.random.default_rng(7)
     x = rng.normal(size=(ROWS, 6)).astype("float32")
@@ -66,7 +85,7 @@ def make_data():
 
 def main():
     args = parse_args()
-    strategy = distrib_tf.make_strategy()
+    strategy = distrib_tf.make_strategy(timeout_seconds=args.collective_timeout)
     if args.without_fix:
         from distrib_tf.keras import compat  # pylint: disable=import-outside-toplevel
         compat.revert(args.without_fix)
@@ -92,6 +111,10 @@ def main():
             keras.layers.Dense(1),
         ])
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+
+    if args.slow_trace_seconds and task == "worker:1":
+        for name in ("train_step", "test_step"):
+            setattr(model, name, slow_to_trace(getattr(model, name), args.slow_trace_seconds))
 
     epochs_run, saved = [], []
     save_weights = model.save_weights
