@@ -153,7 +153,8 @@ SLOW_TRACE = ["--collective_timeout", 6, "--slow_trace_seconds", 12]
      {"worker:1": r"PermissionDeniedError: \{\{function_node __wrapped__CreateSummaryFileWriter\S*\}\} "
                   r"\S*/shared/logs\S*; Read-only file system",
       "worker:0": re.escape(DEAD_PEER)}),
-    ("trace_then_meet", SLOW_TRACE, {"worker:0": r"DeadlineExceededError[\s\S]*Collective has timed out during execution"}),
+    ("trace_then_meet", SLOW_TRACE,
+     {"worker:0": r"DeadlineExceededError[\s\S]*Collective has timed out during execution"}),
 ])
 def test_each_fix_is_needed(tmp_path, fix, flags, failures):
     """Without the fix, the upstream failure itself, in the output of the task it hits."""
