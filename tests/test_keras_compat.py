@@ -2,6 +2,7 @@
 
 import glob
 import json
+import math
 import os
 import re
 
@@ -180,6 +181,29 @@ def test_a_worker_slow_to_trace_is_waited_for_not_timed_out(tmp_path):
     weights = [np.load(tmp_path / f"{task}.npz") for task in ("worker_0", "worker_1")]
     for name in weights[0].files:  # From separate processes: one synchronous model.
         np.testing.assert_array_equal(weights[0][name], weights[1][name])
+
+
+LOSS_SCALE_SCRIPT = os.path.join(os.path.dirname(__file__), "workers", "loss_scale.py")
+
+
+def test_an_overflow_on_one_worker_skips_the_step_on_every_worker(tmp_path):
+    """mixed_float16, an Inf in worker:1's batch of step 3 only: every worker skips that
+    step, halves its loss scale and counts the step; the weights stay identical."""
+    check_ok(run_cluster([LOSS_SCALE_SCRIPT, tmp_path], spec=local_spec(2), env=ENV, timeout=120))
+    runs = [_load(tmp_path, task) for task in ("worker_0", "worker_1")]
+    for run in runs:
+        assert math.isnan(run["loss"][0])  # The overflow happened: the epoch's mean holds it.
+        assert run["scale"] == run["start_scale"] / 2, run  # Skipped once, on both.
+        assert run["iterations"] == run["steps"], run  # Every batch counted, the skipped one too.
+    weights = [np.load(tmp_path / f"{task}.npz") for task in ("worker_0", "worker_1")]
+    for name in weights[0].files:
+        np.testing.assert_array_equal(weights[0][name], weights[1][name])
+    # Without the fix: each replica takes its own branch, and both wait for the other's collective.
+    results = run_cluster([LOSS_SCALE_SCRIPT, tmp_path / "without", "--without_fix=loss_scale",
+                           "--collective_timeout=10"], spec=local_spec(2), env=ENV, timeout=120)
+    for result in results:
+        assert re.search(r"DeadlineExceededError[\s\S]*Collective has timed out during execution",
+                         result.output), (result.task, result.output[-3000:])
 
 
 def test_compile_refuses_what_cannot_run_on_replicas():

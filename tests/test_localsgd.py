@@ -67,3 +67,15 @@ def test_every_step_averaging_differs_from_synchronous_training_with_adam(tmp_pa
     synchronous = _run(tmp_path, "step", "adam")[0]["trainable"]
     averaged = _run(tmp_path, "every:1", "adam")[0]["trainable"]
     assert max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(synchronous, averaged)) > 1e-4
+
+
+def test_a_float16_all_reduce_is_refused_for_a_loss_scale_optimizer():
+    import keras  # pylint: disable=import-outside-toplevel
+
+    from distrib_tf.keras import local_sgd  # pylint: disable=import-outside-toplevel
+
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match=r"Received: dtype='float16' for a LossScaleOptimizer. Expected 'bfloat16'"):
+        local_sgd.compress_gradients(optimizer, "float16")
+    local_sgd.compress_gradients(optimizer, "bfloat16")  # No overflow in bfloat16's range.
+    local_sgd.compress_gradients(optimizer, "float32")

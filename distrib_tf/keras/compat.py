@@ -46,6 +46,15 @@ Keras 3 (tested: `TESTED_KERAS`) on TensorFlow breaks under
    model, fails the job as a dead one would. Fixed under several workers by tracing the
    function first, then meeting every worker at a coordination-service barrier
    (`distrib_tf.keras.phases`), then running it; later calls run as before.
+10. Keras's `LossScaleOptimizer` (float16) decides whether a step's gradients are finite
+   from each replica's own, before the all-reduce, which its finite branch holds: an
+   overflow on one replica sends it down the other branch, and the replicas wait for each
+   other's collectives until a timeout (without one, forever); under a merge call the
+   first replica decides for all, and an overflow elsewhere is applied. And a skipped step
+   leaves `iterations` behind the batches taken, which resumes and schedules count on.
+   Fixed under several replicas by all-reducing the flag (finite only where finite on
+   every replica), and under any strategy by counting a skipped step in `iterations`,
+   so that it counts the batches taken alike on every layout.
 
 Each fix changes behaviour only in the case it names and otherwise calls the original.
 `apply()` installs them once per process; `make_strategy()` calls it for every
@@ -112,6 +121,10 @@ def _fixes():
             (_tf_trainer.TensorFlowTrainer, "fit", _release_iterators_after),
             (_tf_trainer.TensorFlowTrainer, "evaluate", _release_iterators_after),
             (_tf_trainer.TensorFlowTrainer, "predict", _release_iterators_after),
+        ],
+        "loss_scale": [
+            (keras.optimizers.LossScaleOptimizer, "check_finite", _check_finite_everywhere),
+            (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads", _count_skipped_step),
         ],
         "trace_then_meet": [(_tf_trainer.TensorFlowTrainer, "_make_function", _trace_then_meet)],
         "tensorboard": [
@@ -329,3 +342,21 @@ def _trace_then_meet(original, self, step_function):
         return function(iterator)
 
     return meet_first
+
+
+# Fix 10.
+def _check_finite_everywhere(original, self, grads):
+    finite = original(self, grads)
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return finite
+    context = tf.distribute.get_replica_context()
+    if context.num_replicas_in_sync == 1:
+        return finite
+    not_finite = context.all_reduce("SUM", tf.cast(tf.logical_not(finite), tf.float32))
+    return tf.equal(not_finite, 0.0)
+
+
+def _count_skipped_step(original, self):
+    original(self)
+    if tf.distribute.has_strategy():
+        self.inner_optimizer.iterations.assign_add(1)

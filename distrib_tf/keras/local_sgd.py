@@ -87,11 +87,8 @@ def _install(required: bool = True) -> bool:
         if mode == "local":  # Undo Keras's division of each replica's loss by the replica count.
             replicas = tf.distribute.get_strategy().num_replicas_in_sync
             return [(None if g is None else g * replicas, v) for g, v in grads_and_vars]
-        scale = getattr(self, "_distrib_tf_loss_scale", None)
-        factor = tf.cast(scale, tf.float32) if scale is not None and mode == "float16" else 1.0
-        narrow = [(None if g is None else tf.cast(g * factor, mode), v) for g, v in grads_and_vars]
-        return [(None if g is None else tf.cast(g, v.dtype) / tf.cast(factor, v.dtype), v)
-                for g, v in original(self, narrow)]
+        narrow = [(None if g is None else tf.cast(g, mode), v) for g, v in grads_and_vars]
+        return [(None if g is None else tf.cast(g, v.dtype), v) for g, v in original(self, narrow)]
 
     @functools.wraps(keras_all_reduce)
     def all_reduce_sum_gradients(self, grads_and_vars):
@@ -149,14 +146,17 @@ def compress_gradients(optimizer, dtype: str) -> None:
     """Makes `optimizer` all-reduce gradients in `dtype` (`"float32"` restores it)."""
     if dtype == "float32" and not any(hasattr(each, _MODE) for each in _inner_optimizers(optimizer)):
         return
+    if dtype == "float16" and isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "Invalid value for argument `dtype`. Received: dtype='float16' for a "
+            "LossScaleOptimizer. Expected 'bfloat16' or 'float32': its loss-scaled gradients, "
+            "summed in float16 after its finite check, can overflow where nothing sees it.")
     _install()
-    scale = getattr(optimizer, "dynamic_scale", None)  # A LossScaleOptimizer's.
     for each in _inner_optimizers(optimizer):
         if dtype == "float32":
             each.__dict__.pop(_MODE, None)
         else:
             setattr(each, _MODE, dtype)
-            each._distrib_tf_loss_scale = scale  # pylint: disable=protected-access
 
 
 class PeriodicSync(keras.callbacks.Callback):

@@ -102,6 +102,9 @@ class TrainConfig:
                              "takes no learning rate or momentum)")
         if self.allreduce_dtype not in ALLREDUCE_DTYPES:
             invalid_flag("allreduce_dtype", self.allreduce_dtype, f"one of {', '.join(ALLREDUCE_DTYPES)}")
+        if self.allreduce_dtype == "float16" and self.mixed_precision == "float16":
+            invalid_flag("allreduce_dtype", self.allreduce_dtype, "bfloat16 or float32 with "
+                         "--mixed_precision=float16: loss-scaled gradients summed in float16 can overflow unseen")
         if self.profile_steps is not None:
             self.profile_range()  # Checks its form; the run's length is checked with the data.
         if self.allreduce_dtype != "float32" and self.sync != "step":
