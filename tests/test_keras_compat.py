@@ -206,6 +206,34 @@ def test_an_overflow_on_one_worker_skips_the_step_on_every_worker(tmp_path):
                          result.output), (result.task, result.output[-3000:])
 
 
+SPARSE_SCRIPT = os.path.join(os.path.dirname(__file__), "workers", "sparse_grads.py")
+
+
+def test_an_embeddings_gradient_stays_sparse_and_sums_its_duplicate_rows(tmp_path):
+    """A 250k-row embedding under Adagrad, in float64 so that only a different sum shows:
+    on 2 workers only the rows looked up cross the network and the optimizer updates the
+    table sparsely (Keras's own `test_fit_sparse` check); the weights are those of the
+    dense gradient in one process, to float64 rounding; without the fix they are not."""
+    flags = ["--optimizer=adagrad", "--float64"]
+    check_ok(run_cluster([SPARSE_SCRIPT, tmp_path / "sparse", *flags], spec=local_spec(2), env=ENV))
+    check_ok([run_single([SPARSE_SCRIPT, tmp_path / "dense", *flags, "--dense"], env=ENV)])
+    check_ok([run_single([SPARSE_SCRIPT, tmp_path / "without", *flags, "--without_fix=sum_duplicate_rows"],
+                         env=ENV)])
+    runs = {task: _load(tmp_path / "sparse", task) for task in ("worker_0", "worker_1")}
+    for run in runs.values():
+        assert "sequential/embedding/embeddings:0" in run["sparse_updates"], run["sparse_updates"]
+        assert run["allreduce_bytes"] < run["table_bytes"] / 100, run  # Measured: 33,928 of 32,000,000.
+    for a, b in zip(runs["worker_0"]["weights"], runs["worker_1"]["weights"]):
+        np.testing.assert_array_equal(a, b)
+    dense = _load(tmp_path / "dense", "single")
+    assert dense["sparse_updates"] == [] and dense["allreduce_bytes"] >= dense["table_bytes"]
+    without = _load(tmp_path / "without", "single")
+    embedding = 0  # The first weight; Adagrad squares each duplicate row without the fix.
+    # float64 sums of at most 512 rows in another order: under 1e-13 of weights near 0.05.
+    np.testing.assert_allclose(runs["worker_0"]["weights"][embedding], dense["weights"][embedding], rtol=0, atol=1e-12)
+    assert np.max(np.abs(without["weights"][embedding] - dense["weights"][embedding])) > 1e-6
+
+
 def test_compile_refuses_what_cannot_run_on_replicas():
     result = run_single([COMPILE_SCRIPT], env=ENV)
     check_ok([result])

@@ -27,9 +27,17 @@ Keras 3 (tested: `TESTED_KERAS`) on TensorFlow breaks under
    CPU devices: refused at `compile` when the replicas are on CPU.
 7. An embedding's gradient is a `tf.IndexedSlices` with one row per token looked up,
    duplicates not summed; Keras's optimizers update such a gradient row by row, so
-   Adam squares each duplicate before summing them, and the sum over replicas adds
-   more duplicates: results change with the number of replicas. Fixed by summing duplicates into a
-   dense gradient first, which is Adam's definition, on every layout.
+   Adam squares each duplicate before summing them, and the all-reduce of several
+   replicas (an all-gather of their rows) adds more duplicates: results change with the
+   number of replicas. Fixed by summing the rows of each index after the all-reduce, on
+   every layout: the gradient stays sparse (only the rows looked up cross the network,
+   and the optimizer gets its sparse update) and is the one dense Adam would see. Two
+   cases are densified before the all-reduce, as this fix did for every gradient before:
+   replicas of one process (`MirroredStrategy`, where a sparse gradient came out wrong
+   under Keras's merge call and nothing crosses a network), and tables under
+   `SPARSE_MIN_BYTES`, whose dense gradient travels in the one packed all-reduce while a
+   sparse one costs three all-gathers of their own, each a round trip (about 5 ms here,
+   which 1 Gbit/s spends on 0.6 MB).
 8. `fit` validates every epoch through one `TFEpochIterator`, whose `reset` drops the
    previous epoch's dataset iterator on the main thread. Under `tf.distribute` that
    iterator feeds each replica through a per-device tf.data pipeline, whose destructor
@@ -95,16 +103,17 @@ def _private_modules():
     """The private Keras modules the fixes patch, imported only to apply them: a Keras that
     moved them still imports distrib_tf (and, untested, gets no fixes)."""
     # pylint: disable=import-outside-toplevel
+    from keras.src.backend.tensorflow import optimizer
     from keras.src.backend.tensorflow import trainer
     from keras.src.optimizers import base_optimizer
     from keras.src.trainers import trainer as base_trainer
-    return trainer, base_optimizer, base_trainer
+    return trainer, optimizer, base_optimizer, base_trainer
 
 
 def _fixes():
     """Fix name to the `(owner, attribute, replacement)` triples it installs."""
     callbacks = keras.callbacks
-    _tf_trainer, _base_optimizer, _base_trainer = _private_modules()
+    _tf_trainer, _tf_optimizer, _base_optimizer, _base_trainer = _private_modules()
     return {
         "symbolic_build": [
             (_tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build", _maybe_symbolic_build)
@@ -114,7 +123,9 @@ def _fixes():
         "model_checkpoint": [(callbacks.ModelCheckpoint, "_save_model", _chief_only)],
         "backup_and_restore": [(callbacks.BackupAndRestore, "_save_model", _chief_only)],
         "backup_and_restore_end": [(callbacks.BackupAndRestore, "on_train_end", _chief_only)],
-        "dense_sparse_gradients": [(_base_optimizer.BaseOptimizer, "apply", _apply_dense)],
+        "sum_duplicate_rows": [
+            (_base_optimizer.BaseOptimizer, "apply", _densify_where_cheaper),
+            (_tf_optimizer.TFOptimizer, "_distributed_tf_update_step", _sum_duplicate_rows)],
         "iterator_release": [
             (_tf_trainer.TFEpochIterator, "reset", _reset_off_the_main_thread),
             (_tf_trainer.TFEpochIterator, "__init__", _track_iterator),
@@ -280,9 +291,34 @@ def _tensorboard_on_train_end(original, self, logs=None):
 
 
 # Fix 7.
-def _apply_dense(original, self, grads, trainable_variables=None):
-    grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+SPARSE_MIN_BYTES = 1 << 20  # Smaller tables all-reduce their gradient dense.
+
+
+def _densify_where_cheaper(original, self, grads, trainable_variables=None):
+    strategy = tf.distribute.get_strategy()
+    if strategy.num_replicas_in_sync > 1:
+        local = not phases.is_multi_worker(strategy)
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and (
+            local or _dense_bytes(g) < SPARSE_MIN_BYTES) else g for g in grads]
     return original(self, grads, trainable_variables)
+
+
+def _dense_bytes(gradient: tf.IndexedSlices) -> float:
+    shape = tf.get_static_value(gradient.dense_shape)
+    return float("inf") if shape is None else float(shape.prod()) * gradient.dtype.size
+
+
+def _sum_duplicate_rows(original, self, distribution, grads_and_vars, learning_rate):
+    grads_and_vars = [(sum_duplicate_rows(g) if isinstance(g, tf.IndexedSlices) else g, v)
+                      for g, v in grads_and_vars]
+    return original(self, distribution, grads_and_vars, learning_rate)
+
+
+def sum_duplicate_rows(gradient: tf.IndexedSlices) -> tf.IndexedSlices:
+    """`gradient` with one row per index, the sum of its rows there (still sparse)."""
+    indices, positions = tf.unique(gradient.indices)
+    values = tf.math.unsorted_segment_sum(gradient.values, positions, tf.shape(indices)[0])
+    return tf.IndexedSlices(values, indices, gradient.dense_shape)
 
 
 # Fix 8.

@@ -86,9 +86,9 @@ def _install(required: bool = True) -> bool:
             return original(self, grads_and_vars)
         if mode == "local":  # Undo Keras's division of each replica's loss by the replica count.
             replicas = tf.distribute.get_strategy().num_replicas_in_sync
-            return [(None if g is None else g * replicas, v) for g, v in grads_and_vars]
-        narrow = [(None if g is None else tf.cast(g, mode), v) for g, v in grads_and_vars]
-        return [(None if g is None else tf.cast(g, v.dtype), v) for g, v in original(self, narrow)]
+            return [(_map_values(g, lambda x: x * replicas), v) for g, v in grads_and_vars]
+        narrow = [(_map_values(g, lambda x: tf.cast(x, mode)), v) for g, v in grads_and_vars]
+        return [(_map_values(g, lambda x, v=v: tf.cast(x, v.dtype)), v) for g, v in original(self, narrow)]
 
     @functools.wraps(keras_all_reduce)
     def all_reduce_sum_gradients(self, grads_and_vars):
@@ -106,15 +106,27 @@ def _install(required: bool = True) -> bool:
     return True
 
 
+def _map_values(gradient, function):
+    """`function` of a gradient's values; an embedding's (`tf.IndexedSlices`) stays sparse."""
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(function(gradient.values), gradient.indices, gradient.dense_shape)
+    return function(gradient)
+
+
 def _time_wait(clock, local, reduced) -> None:
     """Adds to `clock` the seconds from the last local gradient to the last reduced one.
 
     Two clock reads (`tf.timestamp`, a CPU kernel) and an add, beside the step: nothing
     in the step depends on them, so they add no barrier and no host round trip.
     """
-    with tf.control_dependencies([g for g, _ in local if g is not None]):
+    def tensors(pairs):
+        return [getattr(g, "values", g) for g, _ in pairs if g is not None]
+
+    with tf.control_dependencies(tensors(local)):
         start = tf.timestamp()
-    with tf.control_dependencies([g for g, _ in reduced if g is not None]):
+    with tf.control_dependencies(tensors(reduced)):
         end = tf.timestamp()
     clock.assign_add(end - start)
 
