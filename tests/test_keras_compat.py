@@ -230,7 +230,8 @@ def test_an_embeddings_gradient_stays_sparse_and_sums_its_duplicate_rows(tmp_pat
     without = _load(tmp_path / "without", "single")
     embedding = 0  # The first weight; Adagrad squares each duplicate row without the fix.
     # float64 sums of at most 512 rows in another order: under 1e-13 of weights near 0.05.
-    np.testing.assert_allclose(runs["worker_0"]["weights"][embedding], dense["weights"][embedding], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(runs["worker_0"]["weights"][embedding], dense["weights"][embedding],
+                               rtol=0, atol=1e-12)
     assert np.max(np.abs(without["weights"][embedding] - dense["weights"][embedding])) > 1e-6
 
 

@@ -93,7 +93,8 @@ def main():
     np.savez(os.path.join(args.out, f"{task}.npz"), *[np.asarray(w) for w in model.get_weights()])
     with open(os.path.join(args.out, f"{task}.json"), "w", encoding="utf-8") as f:
         json.dump({"sparse_updates": sorted(set(sparse_updates)), "allreduce_bytes": int(handed.numpy()),
-                   "table_bytes": VOCAB * DIM * np.dtype(keras.backend.floatx()).itemsize, "replicas": strategy.num_replicas_in_sync}, f)
+                   "table_bytes": VOCAB * DIM * np.dtype(keras.backend.floatx()).itemsize,
+                   "replicas": strategy.num_replicas_in_sync}, f)
     print(f"{task}: all-reduce {int(handed.numpy())} bytes a step; sparse updates {sorted(set(sparse_updates))}",
           flush=True)
 
