@@ -107,7 +107,8 @@ def test_evaluator_follows_the_chiefs_checkpoints(tmp_path):
         assert evaluated[-1][name] == pytest.approx(value, rel=1e-4), (name, evaluated[-1], summary["final"])
     # The chief's outputs, and the evaluator's in eval/ only.
     assert sorted(os.listdir(model_dir)) == ["checkpoints", "eval", "logs", "model.keras", "serving", "summary.json"]
-    assert sorted(os.listdir(model_dir / "checkpoints")) == ["epoch001.weights.h5", "epoch002.weights.h5"]
+    assert sorted(os.listdir(model_dir / "checkpoints")) == [
+        "epoch001.json", "epoch001.weights.h5", "epoch002.json", "epoch002.weights.h5"]
     eval_files = os.listdir(model_dir / "eval")
     assert "eval.json" in eval_files and all(f == "eval.json" or f.startswith("events.out.tfevents")
                                              for f in eval_files), eval_files

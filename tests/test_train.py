@@ -61,7 +61,8 @@ def test_two_workers_write_one_summary(tmp_path, model, precision):
     assert summary["strategy"] == "MultiWorkerMirroredStrategy"
     assert "final accuracy" in results[0].output and "final accuracy" not in results[1].output
     assert "worker:1 epoch 2/2 accuracy=" in results[1].output
-    assert sorted(os.listdir(model_dir / "checkpoints")) == ["epoch001.weights.h5", "epoch002.weights.h5"]
+    assert sorted(os.listdir(model_dir / "checkpoints")) == [
+        "epoch001.json", "epoch001.weights.h5", "epoch002.json", "epoch002.weights.h5"]
 
 
 def test_killed_run_resumes_from_backup(tmp_path):

@@ -27,13 +27,14 @@ class ChiefCheckpoint(keras.callbacks.Callback):
     """The chief writes `checkpoints/epochNNN.weights.h5` at every epoch end, atomically.
 
     The weights go to a temporary file that is then renamed, so a side-car evaluator
-    never reads a checkpoint half-written. Other workers write nothing (Keras 3 saving
-    runs no collectives).
+    never reads a checkpoint half-written; then `epochNNN.json` names the run (`run`),
+    so that it never takes an earlier run's checkpoint in the same directory for this
+    one's. Other workers write nothing (Keras 3 saving runs no collectives).
     """
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, run: str = ""):
         super().__init__()
-        self.model_dir = model_dir
+        self.model_dir, self.run = model_dir, run
 
     def on_epoch_end(self, epoch, logs=None):
         if not self.model.distribute_strategy.extended.should_checkpoint:
@@ -45,6 +46,12 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         backup.fsync(writing)
         os.replace(writing, path)
         backup.fsync(os.path.dirname(path))
+        backup.write_json_atomically(checkpoint_run_path(path), {"run": self.run, "epoch": epoch + 1})
+
+
+def checkpoint_run_path(path: str) -> str:
+    """The file beside checkpoint `path` that names its run."""
+    return path[: -len(".weights.h5")] + ".json"
 
 
 class EpochTimer(keras.callbacks.Callback):
@@ -134,13 +141,13 @@ class EpochLine(keras.callbacks.Callback):
 
 
 def make_callbacks(model_dir: str, *, task: str, is_chief: bool, epochs: int,
-                   examples_per_epoch: int, worker_backup: keras.callbacks.Callback
+                   examples_per_epoch: int, worker_backup: keras.callbacks.Callback, run: str = ""
                    ) -> list[keras.callbacks.Callback]:
     """The main job's callbacks: `worker_backup` on every worker, the rest chief-only."""
     callbacks = [
         EpochTimer(examples_per_epoch),
         worker_backup,
-        ChiefCheckpoint(model_dir),
+        ChiefCheckpoint(model_dir, run),
         keras.callbacks.TensorBoard(os.path.join(model_dir, "logs"), write_graph=False),
     ]
     if not is_chief:

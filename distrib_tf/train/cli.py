@@ -112,6 +112,7 @@ def main(argv):
     from distrib_tf.keras import backup
     from distrib_tf.keras import nonfinite
     from distrib_tf.keras import preemption
+    from distrib_tf.train import evaluator
     from distrib_tf.train.job import prepare_job
     from distrib_tf.train.job import run_job
 
@@ -136,6 +137,8 @@ def main(argv):
         _fail(f"{job.task}: {e} Every worker stopped at this step.", exit_codes.NONFINITE)
     except preemption.Preempted as e:
         _preempted(job.task, e)
+    except evaluator.EvaluatorTimeout as e:
+        _fail(str(e), exit_codes.FAILED)
     except Exception as e:  # The root cause, for the launcher; then the traceback as usual.
         if (message := records.data_error_in(e)) is not None:  # A shard changed after prepare.
             _fail(f"{job.task}: {message}", now=True)

@@ -131,7 +131,7 @@ def run_job(job: Job) -> dict:
         model = build_compiled_model(config, info, strategy)
         results = evaluator.evaluate_checkpoints(
             model, distributed("test"), steps=job.validation_steps, model_dir=job.model_dir,
-            last_epoch=config.epochs)
+            last_epoch=config.epochs, run=config.run_id())
         return {"evaluator": results}
     with preemption.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.
         model = build_compiled_model(config, info, strategy)
@@ -148,7 +148,7 @@ def run_job(job: Job) -> dict:
     callbacks = callbacks_lib.make_callbacks(
         job.model_dir, task=job.task, is_chief=job.is_chief, epochs=config.epochs,
         examples_per_epoch=job.steps_per_epoch * config.global_batch_size,
-        worker_backup=worker_backup)
+        worker_backup=worker_backup, run=config.run_id())
     at = callbacks.index(worker_backup)  # Checked before the step is backed up; saved after.
     periodic = [] if config.sync == "step" else [local_sgd.PeriodicSync(
         strategy, config.sync_every() or job.steps_per_epoch, outer=config.outer()[0],
@@ -194,6 +194,7 @@ def run_job(job: Job) -> dict:
     timer = callbacks[0]
     summary = {
         "config": dataclasses.asdict(config),
+        "run_id": config.run_id(),
         "dataset": dataclasses.asdict(info),
         "strategy": job.strategy_name,
         "workers": job.workers,
