@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from distrib_tf.keras import callbacks
 from distrib_tf.keras import backup
+from distrib_tf.keras import callbacks
 from distrib_tf.train import evaluator
 
 
