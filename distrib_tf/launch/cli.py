@@ -31,11 +31,13 @@ cluster read from the `SLURM_*` variables), each with:
   then fails a stuck all-reduce after that many seconds instead of hanging.
 
 When this launcher runs every task of a spec whose addresses are all loopback, the
-tasks run in a private network namespace (loopback
-only; `--no_private` turns that off): TensorFlow's gRPC servers listen on every
-interface, so without it anyone who can reach this machine can reach the workers. The
-tasks then have no network access. Where the kernel refuses a namespace, a warning
-says the job is exposed.
+tasks run in a private network namespace (`--network=private`, the default: loopback
+only): TensorFlow's gRPC servers listen on every interface, so without it anyone who can
+reach this machine can reach the workers. The tasks then have no network access either:
+a task that needs it (`gs://` data, a download) needs `--network=host`, which shares this
+machine's network and exposes the servers, with a warning; a task that fails on an
+unreachable network is answered with that choice. Where the kernel refuses a namespace,
+a warning says the job is exposed.
 
 Output is prefixed line by line (`[worker:1] ...`) and, with `--log_dir`, also written
 to one file per task (`worker_1.log`, appended across restarts). TensorFlow's C++ logs
@@ -146,9 +148,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="append every task's events (JSON lines, distrib_tf.events) to FILE")
     parser.add_argument("--verbose", action="store_true",
                         help="TensorFlow's C++ logs at their own level (default: errors only)")
-    parser.add_argument("--no_private", action="store_true",
-                        help="for a loopback-only spec, do not isolate the tasks in a private "
-                             "network namespace (they are then reachable from the network)")
+    parser.add_argument("--network", choices=("private", "host"), default="private",
+                        help="for a loopback-only spec: private (a network namespace of their own, "
+                             "loopback only: unreachable, and without network access) or host "
+                             "(this machine's network: reachable from it, with a warning)")
+    parser.add_argument("--no_private", action="store_true", help="the same as --network=host")
     parser.add_argument("command", nargs=argparsing.REMAINDER, help="-- COMMAND ...")
     return parser.parse_args(argv)
 
@@ -227,7 +231,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
                           max_restarts=args.max_restarts, log_dir=args.log_dir,
                           gpus_per_task=args.gpus_per_task,
                           collective_timeout=args.collective_timeout,
-                          grace_period=args.grace_period, private=not args.no_private,
+                          grace_period=args.grace_period,
+                          private=args.network == "private" and not args.no_private,
                           visible_gpus=tuple(placement.visible_gpus(os.environ)),
                           cpus=() if args.no_cpu_binding else tuple(sorted(os.sched_getaffinity(0))),
                           events_path=args.events, verbose=args.verbose)

@@ -6,6 +6,7 @@ This module imports no TensorFlow.
 import ctypes
 import fcntl
 import os
+import re
 import socket
 import struct
 import sys
@@ -65,17 +66,36 @@ def dying_with_parent(command) -> list[str]:
     return [sys.executable, _TASK_INIT, str(os.getpid()), *command]
 
 
-def protect_network(spec: ClusterSpec, tasks, private: bool, say) -> None:
-    """Makes a loopback-only cluster private, or says loudly that the job is exposed."""
+def protect_network(spec: ClusterSpec, tasks, private: bool, say) -> bool:
+    """Makes a loopback-only cluster private, or says loudly that the job is exposed.
+
+    Returns whether the tasks run in a private namespace (and have no network access)."""
     exposed = ("TensorFlow's gRPC servers listen on every interface of this machine, with no "
                "authentication: whoever reaches them can join or disrupt the job (SECURITY.md)")
     if not is_loopback_only(spec) or set(tasks) != set(spec.tasks):
         # Other launchers run the other tasks: they must share this host's network.
         say(f"note: {exposed}; run it on a private network only")
     elif not private:
-        say(f"WARNING: --no_private: {exposed}")
+        say(f"WARNING: --network=host: {exposed}")
     elif (why := enter_private_network()) is not None:
         say(f"WARNING: could not make this local cluster private ({why}): {exposed}")
     else:
         say("local tasks run in a private network namespace: loopback only, "
-            "unreachable from the network (and without network access)")
+            "unreachable from the network (and without network access: --network=host if they need it)")
+        return True
+    return False
+
+
+# What a task prints when it tried to reach the network from the private namespace.
+NO_NETWORK = re.compile(r"Network is unreachable|Temporary failure in name resolution|"
+                        r"Name or service not known|No address associated with hostname|"
+                        r"Could not resolve host|ENETUNREACH|EAI_AGAIN|getaddrinfo")
+
+
+def no_network_hint(lines) -> str | None:
+    """What to do when a task in the private namespace failed for want of a network."""
+    if any(NO_NETWORK.search(line) for line in lines):
+        return ("the tasks run in a private network namespace with no network access (loopback "
+                "only); one that needs the network (gs:// data, a download) needs --network=host, "
+                "which exposes TensorFlow's gRPC servers to this machine's network (SECURITY.md)")
+    return None

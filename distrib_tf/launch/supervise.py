@@ -242,8 +242,8 @@ def run(config: LaunchConfig) -> LaunchResult:
 def _run(config: LaunchConfig, console: console_lib.Sink) -> LaunchResult:
     if config.log_dir:
         os.makedirs(config.log_dir, exist_ok=True)
-    isolation.protect_network(config.spec, config.tasks, config.private,
-                              lambda message: _say(message, console))
+    isolated = isolation.protect_network(config.spec, config.tasks, config.private,
+                                         lambda message: _say(message, console))
     received: list[int] = []  # Signals, recorded by the handler, acted on by the loop.
 
     def record(signum, frame):
@@ -283,10 +283,10 @@ def _run(config: LaunchConfig, console: console_lib.Sink) -> LaunchResult:
                 continue
             first_failure = first_failure or failure
             if ended.returncode in (exit_codes.USAGE, exit_codes.NONFINITE):  # It would fail again.
-                _report(failure, attempt, 0, console)
+                _report(failure, attempt, 0, console, isolated)
                 return LaunchResult(exit_codes.USAGE if ended.returncode == exit_codes.USAGE else exit_codes.FAILED,
                                     attempt, first_failure)
-            _report(failure, attempt, config.max_restarts - restarts, console)
+            _report(failure, attempt, config.max_restarts - restarts, console, isolated)
             if restarts == config.max_restarts:
                 return LaunchResult(exit_codes.FAILED, attempt, first_failure)
             restarts += 1
@@ -318,7 +318,7 @@ def _stop_on_signal(group, signum, config, attempt, first_failure, console) -> L
     return LaunchResult(exit_codes.INTERRUPTED, attempt, first_failure)
 
 
-def _report(failure: TaskExit, attempt: int, restarts_left: int, console):
+def _report(failure: TaskExit, attempt: int, restarts_left: int, console, isolated: bool = False):
     next_step = (f"restarting the group ({restarts_left} restart(s) left)" if restarts_left
                  else f"giving up after {attempt} attempt(s)")
     console.event(str(failure.task), {"event": "task_failed", "attempt": attempt,
@@ -327,3 +327,5 @@ def _report(failure: TaskExit, attempt: int, restarts_left: int, console):
     lines = "\n".join(f"[launcher]   {line}" for line in failure.tail[-10:])
     _say(f"attempt {attempt}: {failure.describe()} first; {next_step}. Its last lines:\n{lines}",
          console)
+    if isolated and (hint := isolation.no_network_hint([*failure.tail, failure.error])):
+        _say(f"hint: {hint}", console)
