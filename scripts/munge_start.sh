@@ -9,6 +9,9 @@ fi
 chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
 mkdir -p /run/munge && chown munge:munge /run/munge
 if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-  runuser -u munge -- munged --pid-file="$dir/munge/munged.pid" --force
+  # Its pid file in /run/munge: munged must walk the path to it, and "$dir" may sit under a
+  # directory only root can enter (pytest's /tmp/pytest-of-root is 0700). Root copies it.
+  runuser -u munge -- munged --pid-file=/run/munge/distrib_tf-munged.pid --force
   sleep 1
+  cp /run/munge/distrib_tf-munged.pid "$dir/munge/munged.pid"
 fi

@@ -14,6 +14,7 @@ RATIOS = ["p1_step_time_ratio", "p1_wall_per_epoch_ratio", "p2_pipeline_ratio_cn
 
 
 @pytest.mark.multiworker
+@pytest.mark.slow
 def test_benchmarks_run_at_a_tiny_size(tmp_path):
     if shutil.which("iperf3") is None:
         pytest.skip("P3 needs iperf3 (apt-get install iperf3; .ci/run installs it)")
@@ -53,6 +54,7 @@ def test_shaped_link_benchmarks_run_at_a_tiny_size(tmp_path, name, check):
     assert (tmp_path / f"{name}.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_the_data_benchmark_runs_at_a_tiny_size(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "data.py"), "--sizes_gb=0.02,0.2",
                              "--reps=1", "--steps=5", f"--dir={tmp_path / 'data'}", f"--out={tmp_path / 'data.json'}"],

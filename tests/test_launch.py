@@ -141,7 +141,8 @@ def test_killed_launcher_leaves_no_task_running(tmp_path):
 
 
 @pytest.mark.multiworker
-@pytest.mark.parametrize("sync", [[], ["--sync=every:5"]], ids=["sync_every_step", "periodic_sync"])
+@pytest.mark.parametrize("sync", [pytest.param([], marks=pytest.mark.slow), ["--sync=every:5"]],
+                         ids=["sync_every_step", "periodic_sync"])
 def test_killed_worker_is_restarted_and_the_job_resumes(tmp_path, sync):
     model_dir = tmp_path / "run"
     with open(tmp_path / "launcher.out", "w+") as out:

@@ -12,7 +12,9 @@ NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "notebooks"
 
 
 @pytest.mark.multiworker
-@pytest.mark.parametrize("name", sorted(n for n in os.listdir(NOTEBOOKS) if n.endswith(".ipynb")))
+@pytest.mark.parametrize("name", [  # The scaling notebook (75 s) runs in make soak.
+    pytest.param(n, marks=pytest.mark.slow) if n == "03_scaling.ipynb" else n
+    for n in sorted(n for n in os.listdir(NOTEBOOKS) if n.endswith(".ipynb"))])
 def test_notebook_runs(tmp_path, name):
     with open(os.path.join(NOTEBOOKS, name), encoding="utf-8") as f:
         notebook = nbformat.read(f, as_version=4)

@@ -37,7 +37,7 @@ def _run(model_dir, model, dataset):
     return result.stdout
 
 
-@pytest.mark.parametrize("model", ["cnn", "transformer"])
+@pytest.mark.parametrize("model", ["cnn", pytest.param("transformer", marks=pytest.mark.slow)])
 def test_sigterm_mid_epoch_loses_no_step(tmp_path, model, shapes_on_disk):
     """The CNN streams `shapes` from disk (each worker reads its own examples); the transformer
     reads `tokens` from memory: both resume at the agreed step, bit-identical."""
@@ -79,7 +79,9 @@ def test_sigterm_mid_epoch_loses_no_step(tmp_path, model, shapes_on_disk):
 PHASE_STEPS = 4  # Steps an epoch; 2 epochs.
 
 
-@pytest.mark.parametrize("phase", ["start-up", "validation", "final-evaluate", "export"])
+@pytest.mark.parametrize("phase", [  # make soak runs the two the others cover in part.
+    pytest.param("start-up", marks=pytest.mark.slow), "validation",
+    pytest.param("final-evaluate", marks=pytest.mark.slow), "export"])
 def test_sigterm_outside_training_batches_exits_75_and_the_job_resumes(tmp_path, phase):
     """A SIGTERM in any phase but a training batch: the job exits 75 (not 130 after the
     grace's SIGKILL) and, started again, resumes at the last step every worker backed up."""

@@ -47,7 +47,7 @@ def test_local_cluster_is_unreachable_from_the_network(tmp_path, private):
         assert reachable == [True, True]  # The probe does see an exposed worker.
 
 
-@pytest.mark.parametrize("network", ["private", "host"])
+@pytest.mark.parametrize("network", ["private", pytest.param("host", marks=pytest.mark.slow)])
 def test_outbound_access_is_the_network_flags_choice(tmp_path, network):
     """A task reads a file from a server outside (in a namespace of the test's own): from the
     private namespace it cannot, and the launcher names `--network=host`; with it, it can."""

@@ -65,6 +65,7 @@ def test_two_workers_write_one_summary(tmp_path, model, precision):
         "epoch001.json", "epoch001.weights.h5", "epoch002.json", "epoch002.weights.h5"]
 
 
+@pytest.mark.slow  # One process; the launcher's kill-and-resume tests run in make test.
 def test_killed_run_resumes_from_backup(tmp_path):
     args = [sys.executable, *TRAIN, "--epochs=3", "--steps_per_epoch=40", f"--model_dir={tmp_path}"]
     env = {**os.environ, **QUIET_TF, **ENV}
