@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -116,3 +117,81 @@ def test_the_examples_are_what_the_exporter_writes_today(engine, options, exampl
     assert result.returncode == 0, result.stderr
     with open(os.path.join(ROOT, "examples", example), encoding="utf-8") as f:
         assert result.stdout == f.read()
+
+
+JOBSET_SCHEMA = os.path.join(ROOT, "tests", "schemas", "jobset-v0.12.0.json")  # Its "$comment": source.
+
+
+def _jobset(*options):
+    result = _export("kubernetes", "--engine=jobset", f"--cluster_spec={SPEC}", "--image=registry.example/job:1",
+                     "--volume_claim=training-runs", *options, "--", "python", "-m", "distrib_tf.train",
+                     "--model_dir=/runs/cnn")
+    assert result.returncode == 0, result.stderr
+    return list(yaml.safe_load_all(result.stdout))
+
+
+def test_jobset_validates_against_its_crd_and_its_pods_get_jobset_hostnames():
+    import jsonschema  # pylint: disable=import-outside-toplevel
+    import kubernetes_validate  # pylint: disable=import-outside-toplevel
+
+    config_map, jobset = _jobset("--max_restarts=4")
+    with open(JOBSET_SCHEMA) as f:
+        validator = jsonschema.Draft7Validator(json.load(f))
+    validator.validate(jobset)  # The CRD's own schema, as the API server checks it.
+    broken = json.loads(json.dumps(jobset))
+    broken["spec"]["failurePolicy"]["rules"][0]["action"] = "Restart"  # The check can fail.
+    assert any("is not one of" in error.message for error in validator.iter_errors(broken))
+    template = jobset["spec"]["replicatedJobs"][0]["template"]
+    kubernetes_validate.validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"},
+                                  "spec": template["spec"]}, "1.31", strict=True)
+    kubernetes_validate.validate(config_map, "1.31", strict=True)
+    spec = ClusterSpec.from_dict(json.loads(config_map["data"]["spec.json"]))
+    assert [spec.address(task) for task in spec.tasks] == [
+        f"distrib-tf-task-0-{i}.distrib-tf:2222" for i in range(3)]  # JobSet's DNS names.
+    assert jobset["spec"]["network"] == {"enableDNSHostnames": True, "subdomain": "distrib-tf"}
+    assert jobset["spec"]["failurePolicy"]["maxRestarts"] == 4
+
+
+def _job_failure(job_spec, *, exit_code=None, condition=None):
+    """Kubernetes's Job controller on one failed pod (pkg/controller/job/pod_failure_policy.go):
+    the first podFailurePolicy rule that matches; no match counts against backoffLimit."""
+    for index, rule in enumerate(job_spec["podFailurePolicy"]["rules"]):
+        on_exit, on_conditions = rule.get("onExitCodes"), rule.get("onPodConditions", [])
+        if on_exit and exit_code is not None and (exit_code in on_exit["values"]) == (on_exit["operator"] == "In"):
+            message = (f"Container task for pod default/p-0 failed with exit code {exit_code} "
+                       f"matching {rule['action']} rule at index {index}")
+        elif any(c["type"] == condition for c in on_conditions):
+            message = f"Pod default/p-0 has condition {condition} matching {rule['action']} rule at index {index}"
+        else:
+            continue
+        assert rule["action"] == "FailJob", rule  # The JobSet export fails the Job: the set acts.
+        return "PodFailurePolicy", message
+    assert job_spec["backoffLimit"] == 0  # Counted, and no retry left: the Job fails.
+    return "BackoffLimitExceeded", "Job has reached the specified backoff limit"
+
+
+def _jobset_action(jobset_spec, reason, message):
+    """JobSet's controller (pkg/controllers/failure_policy.go, v0.12.0): the first rule whose
+    reasons and message patterns (Go regexp, unanchored) match; else RestartJobSet."""
+    for rule in jobset_spec["failurePolicy"]["rules"]:
+        reasons, patterns = rule.get("onJobFailureReasons", []), rule.get("onJobFailureMessagePatterns", [])
+        if (not reasons or reason in reasons) and (not patterns or any(re.search(p, message) for p in patterns)):
+            return rule["action"]
+    return "RestartJobSet"
+
+
+@pytest.mark.parametrize("failure, action", [
+    ({"exit_code": 1}, "RestartJobSet"),  # A crash, or a survivor of a dead peer: restart all, counted.
+    ({"exit_code": 137}, "RestartJobSet"),  # SIGKILL (OOM): the same.
+    ({"exit_code": exit_codes.USAGE}, "FailJobSet"),  # Bad input: a retry fails again.
+    ({"exit_code": exit_codes.NONFINITE}, "FailJobSet"),  # NaN stop: it would resume into it again.
+    ({"exit_code": exit_codes.PREEMPTED}, "RestartJobSetAndIgnoreMaxRestarts"),  # State saved.
+    ({"exit_code": 143, "condition": "DisruptionTarget"}, "RestartJobSetAndIgnoreMaxRestarts"),  # Evicted.
+])
+def test_jobset_restart_rules_do_what_each_exit_code_means(failure, action):
+    _, jobset = _jobset()
+    job_spec = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    if "condition" in failure:  # Kubernetes matches rules in order: the exit code first.
+        assert failure["exit_code"] not in {v for r in job_spec["podFailurePolicy"]["rules"]
+                                           for v in r.get("onExitCodes", {}).get("values", [])}
+    assert _jobset_action(jobset["spec"], *_job_failure(job_spec, **failure)) == action

@@ -2,8 +2,8 @@
 
 Usage:
 
-    distrib-tf-export kubernetes --cluster_spec=PATH --image=IMAGE [--name=NAME] [--port=2222]
-        [--gpus_per_task=N] [--volume_claim=CLAIM] [--out=FILE] -- COMMAND ...
+    distrib-tf-export kubernetes --cluster_spec=PATH --image=IMAGE [--engine=job|jobset]
+        [--name=NAME] [--port=2222] [--gpus_per_task=N] [--volume_claim=CLAIM] [--out=FILE] -- COMMAND ...
     distrib-tf-export slurm --cluster_spec=PATH [--out=FILE] -- COMMAND ...
 
 (`python -m distrib_tf.deploy` is the same.) What each engine gets: `distrib_tf.deploy.kubernetes`
@@ -24,7 +24,7 @@ from distrib_tf.deploy import slurm
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparsing.Parser(prog="distrib-tf-export", description="Write the job for an existing engine.")
-    engines = parser.add_subparsers(dest="engine", required=True, parser_class=argparsing.Parser)
+    engines = parser.add_subparsers(dest="target", required=True, parser_class=argparsing.Parser)
     kube = engines.add_parser("kubernetes", help="an Indexed Job, a headless Service, a volume")
     kube.add_argument("--image", required=True, help="the container image that holds distrib_tf")
     kube.add_argument("--name", default="distrib-tf", help="name of the Job and the Service")
@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     kube.add_argument("--gpus_per_task", type=int, default=0, help="nvidia.com/gpu per pod")
     kube.add_argument("--max_restarts", type=int, default=3, help="failed pods retried (backoffLimit)")
     kube.add_argument("--volume_claim", help=f"PersistentVolumeClaim mounted at {kubernetes.RUNS} for --model_dir")
+    kube.add_argument("--engine", choices=("job", "jobset"), default="job",
+                      help="job: a plain Indexed Job; jobset: a JobSet that restarts every pod together")
     slurm_parser = engines.add_parser("slurm", help="an sbatch script with signal and requeue")
     slurm_parser.add_argument("--job_name", default="distrib_tf", help="sbatch --job-name")
     for engine in (kube, slurm_parser):
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("Missing command. Expected `-- COMMAND ...`, for example "
                              "`-- python -m distrib_tf.train`.")
         spec = ClusterSpec.load(args.cluster_spec)
-        if args.engine == "kubernetes":
+        if args.target == "kubernetes":
             if not 0 < args.port < 65536:
                 raise ValueError(f"Invalid value for `--port`. Received: {args.port}. "
                                  "Expected a port number from 1 to 65535.")
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             if not args.volume_claim:
                 print(f"distrib-tf-export: warning: no --volume_claim: {kubernetes.RUNS} is an emptyDir that "
                       "dies with its pod, so a recreated pod cannot resume", file=sys.stderr)
-            text = yaml.safe_dump_all(kubernetes.kubernetes_manifests(
+            manifests = {"job": kubernetes.kubernetes_manifests, "jobset": kubernetes.jobset_manifests}
+            text = yaml.safe_dump_all(manifests[args.engine](
                 spec, name=args.name, image=args.image, command=command, port=args.port,
                 gpus_per_task=args.gpus_per_task, max_restarts=args.max_restarts,
                 volume_claim=args.volume_claim), sort_keys=False)

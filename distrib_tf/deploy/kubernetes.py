@@ -10,6 +10,17 @@ recreated without counting against that limit, and one that exits 2 (bad input) 
 `--volume_claim` (put `--model_dir` under it: backups must outlive the pod), else an
 `emptyDir` that dies with the pod, with a warning.
 
+`jobset_manifests` writes the same job as a JobSet (kubernetes-sigs/jobset, API
+`jobset.x-k8s.io/v1alpha2`, checked against the 0.12.0 CRD): one Indexed Job of N pods
+with `backoffLimit: 0`, so that any failed pod fails the Job and JobSet's failure policy
+recreates every pod at once (a multi-worker TensorFlow job cannot continue without one of
+them). Its rules, first match wins: exit 2 or 65 fail the JobSet (a retry would fail
+again); exit 75 and a disruption (eviction, preemption) restart it without counting
+against `maxRestarts`; anything else (a crash, a dead peer) restarts it and counts.
+Pods find each other at JobSet's DNS names, `NAME-task-0-i.NAME`. Storage is the same
+`--volume_claim` on every pod (ReadWriteMany: the backups of each task go to their own
+directory under `model_dir/backup/`).
+
 This module imports no TensorFlow.
 """
 
@@ -31,12 +42,9 @@ def kubernetes_spec(spec: ClusterSpec, *, name: str, port: int) -> ClusterSpec:
     return ClusterSpec(jobs, source=f"the Kubernetes spec of {spec.source}")
 
 
-def kubernetes_manifests(spec: ClusterSpec, *, name: str, image: str, command: list[str],
-                         port: int = 2222, gpus_per_task: int = 0, max_restarts: int = 3,
-                         volume_claim: str | None = None, grace_seconds: int = 120) -> list[dict]:
-    """ConfigMap, headless Service and Indexed Job for `spec`. Pure."""
-    pod_spec = kubernetes_spec(spec, name=name, port=port)
-    labels = {"app.kubernetes.io/name": name}
+def _container(*, image: str, command: list[str], port: int, gpus_per_task: int,
+               grace_seconds: int) -> dict:
+    """The task's container: the launcher, given its task by the Job's completion index."""
     container = {
         "name": "task",
         "image": image,
@@ -47,14 +55,33 @@ def kubernetes_manifests(spec: ClusterSpec, *, name: str, image: str, command: l
         "volumeMounts": [{"name": "spec", "mountPath": "/etc/distrib_tf"},
                          {"name": "runs", "mountPath": RUNS}],
     }
-    runs = ({"name": "runs", "persistentVolumeClaim": {"claimName": volume_claim}} if volume_claim
-            else {"name": "runs", "emptyDir": {}})
     if gpus_per_task:
         container["resources"] = {"limits": {"nvidia.com/gpu": gpus_per_task}}
+    return container
+
+
+def _volumes(name: str, volume_claim: str | None) -> list[dict]:
+    runs = ({"name": "runs", "persistentVolumeClaim": {"claimName": volume_claim}} if volume_claim
+            else {"name": "runs", "emptyDir": {}})
+    return [{"name": "spec", "configMap": {"name": name}}, runs]
+
+
+def _config_map(spec: ClusterSpec, name: str, labels: dict) -> dict:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "labels": labels},
+            "data": {"spec.json": json.dumps(spec.to_dict(), indent=2)}}
+
+
+def kubernetes_manifests(spec: ClusterSpec, *, name: str, image: str, command: list[str],
+                         port: int = 2222, gpus_per_task: int = 0, max_restarts: int = 3,
+                         volume_claim: str | None = None, grace_seconds: int = 120) -> list[dict]:
+    """ConfigMap, headless Service and Indexed Job for `spec`. Pure."""
+    pod_spec = kubernetes_spec(spec, name=name, port=port)
+    labels = {"app.kubernetes.io/name": name}
+    container = _container(image=image, command=command, port=port, gpus_per_task=gpus_per_task,
+                           grace_seconds=grace_seconds)
     tasks = len(spec.tasks)
     return [
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "labels": labels},
-         "data": {"spec.json": json.dumps(pod_spec.to_dict(), indent=2)}},
+        _config_map(pod_spec, name, labels),
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": labels},
          "spec": {"clusterIP": "None", "selector": labels, "ports": [{"port": port, "name": "grpc"}]}},
         {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": labels},
@@ -72,7 +99,68 @@ def kubernetes_manifests(spec: ClusterSpec, *, name: str, image: str, command: l
                  "metadata": {"labels": labels},
                  "spec": {"subdomain": name, "restartPolicy": "Never", "containers": [container],
                           "terminationGracePeriodSeconds": grace_seconds,
-                          "volumes": [{"name": "spec", "configMap": {"name": name}}, runs]},
+                          "volumes": _volumes(name, volume_claim)},
              },
+         }},
+    ]
+
+
+REPLICATED_JOB = "task"
+
+
+def jobset_spec(spec: ClusterSpec, *, name: str, port: int) -> ClusterSpec:
+    """The spec as seen inside the JobSet: task i lives at `NAME-task-0-i.NAME:PORT`."""
+    jobs, ordinal = {}, 0
+    for job, addresses in spec.jobs.items():
+        jobs[job] = tuple(f"{name}-{REPLICATED_JOB}-0-{ordinal + i}.{name}:{port}" for i in range(len(addresses)))
+        ordinal += len(addresses)
+    return ClusterSpec(jobs, source=f"the JobSet spec of {spec.source}")
+
+
+def jobset_manifests(spec: ClusterSpec, *, name: str, image: str, command: list[str],
+                     port: int = 2222, gpus_per_task: int = 0, max_restarts: int = 3,
+                     volume_claim: str | None = None, grace_seconds: int = 120) -> list[dict]:
+    """ConfigMap and JobSet for `spec` (see the module docstring for its failure policy). Pure."""
+    labels = {"app.kubernetes.io/name": name}
+    container = _container(image=image, command=command, port=port, gpus_per_task=gpus_per_task,
+                           grace_seconds=grace_seconds)
+    tasks = len(spec.tasks)
+
+    def on_exit(codes):
+        return {"containerName": "task", "operator": "In", "values": codes}
+
+    return [
+        _config_map(jobset_spec(spec, name=name, port=port), name, labels),
+        {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": {"name": name, "labels": labels},
+         "spec": {
+             "network": {"enableDNSHostnames": True, "subdomain": name},
+             "failurePolicy": {"maxRestarts": max_restarts, "rules": [
+                 # Kubernetes's message for a FailJob rule: "Container task for pod NS/POD failed
+                 # with exit code N matching FailJob rule at index I"; for a pod condition:
+                 # "Pod NS/POD has condition DisruptionTarget matching FailJob rule at index I".
+                 {"name": "BadInputOrNonFinite", "action": "FailJobSet",
+                  "onJobFailureReasons": ["PodFailurePolicy"],
+                  "onJobFailureMessagePatterns": [
+                      f"failed with exit code ({exit_codes.USAGE}|{exit_codes.NONFINITE}) matching"]},
+                 {"name": "PreemptedOrDisrupted", "action": "RestartJobSetAndIgnoreMaxRestarts",
+                  "onJobFailureReasons": ["PodFailurePolicy"],
+                  "onJobFailureMessagePatterns": [f"failed with exit code {exit_codes.PREEMPTED} matching",
+                                                  "has condition DisruptionTarget matching"]},
+             ]},
+             "replicatedJobs": [{"name": REPLICATED_JOB, "replicas": 1, "template": {"spec": {
+                 "completionMode": "Indexed", "completions": tasks, "parallelism": tasks,
+                 "backoffLimit": 0,  # One failed pod fails the Job: the JobSet then acts on all.
+                 "podFailurePolicy": {"rules": [
+                     {"action": "FailJob", "onExitCodes": on_exit([exit_codes.USAGE, exit_codes.NONFINITE])},
+                     {"action": "FailJob", "onExitCodes": on_exit([exit_codes.PREEMPTED])},
+                     {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                 ]},
+                 "template": {
+                     "metadata": {"labels": labels},
+                     "spec": {"restartPolicy": "Never", "containers": [container],
+                              "terminationGracePeriodSeconds": grace_seconds,
+                              "volumes": _volumes(name, volume_claim)},
+                 },
+             }}}],
          }},
     ]
