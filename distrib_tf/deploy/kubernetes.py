@@ -33,13 +33,18 @@ from distrib_tf.deploy import launcher_grace
 RUNS = "/runs"
 
 
-def kubernetes_spec(spec: ClusterSpec, *, name: str, port: int) -> ClusterSpec:
-    """The spec as seen inside the cluster: task i lives at `NAME-i.NAME:PORT`."""
+def _addressed(spec: ClusterSpec, address, source: str) -> ClusterSpec:
+    """`spec` with its i-th task (in the spec's order) at `address(i)`."""
     jobs, ordinal = {}, 0
     for job, addresses in spec.jobs.items():
-        jobs[job] = tuple(f"{name}-{ordinal + i}.{name}:{port}" for i in range(len(addresses)))
+        jobs[job] = tuple(address(ordinal + i) for i in range(len(addresses)))
         ordinal += len(addresses)
-    return ClusterSpec(jobs, source=f"the Kubernetes spec of {spec.source}")
+    return ClusterSpec(jobs, source=source)
+
+
+def kubernetes_spec(spec: ClusterSpec, *, name: str, port: int) -> ClusterSpec:
+    """The spec as seen inside the cluster: task i lives at `NAME-i.NAME:PORT`."""
+    return _addressed(spec, lambda i: f"{name}-{i}.{name}:{port}", f"the Kubernetes spec of {spec.source}")
 
 
 def _container(*, image: str, command: list[str], port: int, gpus_per_task: int,
@@ -110,11 +115,8 @@ REPLICATED_JOB = "task"
 
 def jobset_spec(spec: ClusterSpec, *, name: str, port: int) -> ClusterSpec:
     """The spec as seen inside the JobSet: task i lives at `NAME-task-0-i.NAME:PORT`."""
-    jobs, ordinal = {}, 0
-    for job, addresses in spec.jobs.items():
-        jobs[job] = tuple(f"{name}-{REPLICATED_JOB}-0-{ordinal + i}.{name}:{port}" for i in range(len(addresses)))
-        ordinal += len(addresses)
-    return ClusterSpec(jobs, source=f"the JobSet spec of {spec.source}")
+    return _addressed(spec, lambda i: f"{name}-{REPLICATED_JOB}-0-{i}.{name}:{port}",
+                      f"the JobSet spec of {spec.source}")
 
 
 def jobset_manifests(spec: ClusterSpec, *, name: str, image: str, command: list[str],
