@@ -70,10 +70,6 @@ def _record(signum, frame):
         raise Preempted(_saved[-1])
 
 
-def requested() -> bool:
-    return _requested
-
-
 @contextlib.contextmanager
 def saved(step: int | None):
     """Inside, a SIGTERM raises `Preempted(step)` at once (and on entry, if one came).
