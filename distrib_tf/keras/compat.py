@@ -185,10 +185,6 @@ def _patch(owner, name, fix):
     setattr(owner, name, patched)
 
 
-def _is_multi_worker(strategy) -> bool:
-    return _private_modules()[0]._collective_all_reduce_multi_worker(strategy)  # pylint: disable=protected-access
-
-
 def _is_chief(model) -> bool:
     return model.distribute_strategy.extended.should_checkpoint
 
@@ -210,7 +206,7 @@ def _zeros_like_spec(spec):
 
 # Fix 2.
 def _reduce_per_replica(original, values, strategy, reduction):
-    if reduction in ("auto", "mean", "sum") and _is_multi_worker(strategy):
+    if reduction in ("auto", "mean", "sum") and phases.is_multi_worker(strategy):
         op = "SUM" if reduction == "sum" else "MEAN"
         return _reduce_packed(strategy, op, values)
     return original(values, strategy, reduction)
