@@ -99,7 +99,7 @@ LAYOUTS = {"2 replicas": ("single", ["--cpu_replicas=2"]), "2 workers": (2, []),
 
 
 @pytest.mark.multiworker
-@pytest.mark.parametrize("model", LAYOUT_CASES)
+@pytest.mark.parametrize("model", ["cnn", pytest.param("transformer", marks=pytest.mark.slow)])
 def test_results_do_not_depend_on_the_layout(tmp_path, model, shapes_on_disk):
     """One process, 2 logical replicas, 2 and 4 workers: the same losses and weights. The CNN
     streams its data from ArrayRecord shards, each worker reading only its own examples."""

@@ -53,7 +53,12 @@ Keras 3 (tested: `TESTED_KERAS`) on TensorFlow breaks under
    timeout (`make_strategy(timeout_seconds=S)`) a peer slow to trace, minutes for a large
    model, fails the job as a dead one would. Fixed under several workers by tracing the
    function first, then meeting every worker at a coordination-service barrier
-   (`distrib_tf.keras.phases`), then running it; later calls run as before.
+   (`distrib_tf.keras.phases`), then running it; later calls run as before. The same
+   barrier comes before `reset_metrics`, the first collectives of each epoch and of each
+   `evaluate` (an assign to a metric's on-read variable reads it back across workers),
+   which follow callbacks where the workers part: the chief saving, a thread letting go of
+   an iterator (fix 8). Seen without it: worker:1 at an `evaluate`'s reset timed out
+   after 10 s while the chief was still ending `fit`.
 10. Keras's `LossScaleOptimizer` (float16) decides whether a step's gradients are finite
    from each replica's own, before the all-reduce, which its finite branch holds: an
    overflow on one replica sends it down the other branch, and the replicas wait for each
@@ -138,6 +143,7 @@ def _fixes():
             (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads", _count_skipped_step),
         ],
         "trace_then_meet": [(_tf_trainer.TensorFlowTrainer, "_make_function", _trace_then_meet)],
+        "meet_before_reset": [(_base_trainer.Trainer, "reset_metrics", _meet_before_reset)],
         "tensorboard": [
             (callbacks.TensorBoard, "set_model", _tensorboard_set_model),
             (callbacks.TensorBoard, "on_train_end", _tensorboard_on_train_end),
@@ -374,6 +380,15 @@ def _trace_then_meet(original, self, step_function):
         return function(iterator)
 
     return meet_first
+
+
+def _meet_before_reset(original, self):
+    # Each epoch of fit and each evaluate begins with it, after the callbacks (the chief's
+    # saves): its assigns to the metrics' on-read variables are eager collectives.
+    strategy = self.distribute_strategy
+    if tf.executing_eagerly() and phases.is_multi_worker(strategy):
+        phases.enter(strategy, "reset_metrics")
+    return original(self)
 
 
 # Fix 10.

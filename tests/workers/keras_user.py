@@ -36,6 +36,9 @@ def parse_args():
     parser.add_argument("--slow_trace_seconds", type=float, default=0,
                         help="worker:1 takes this long to trace each step function, as a large "
                              "model on a loaded machine does")
+    parser.add_argument("--slow_train_end_seconds", type=float, default=0,
+                        help="the chief takes this long to end fit, as one writing a large "
+                             "model does")
     return parser.parse_args()
 
 
@@ -180,8 +183,14 @@ def main():
                 weakref.finalize(iterator._current_iterator,
                                  lambda: released_by.append(threading.current_thread().name))
 
+    class SlowTrainEnd(keras.callbacks.Callback):
+        def on_train_end(self, logs=None):
+            if task == "worker:0":
+                time.sleep(args.slow_train_end_seconds)
+
     callbacks = [
         RecordEpochs(),
+        SlowTrainEnd(),
         RecordReleases(),
         ChiefDeletesLast(),
         MarkedBackupAndRestore(os.path.join(shared, "backup"), delete_checkpoint=args.delete_backup),
