@@ -148,6 +148,7 @@ def test_soak_random_kills(tmp_path):
         _check(trial)
 
 
+@pytest.mark.slow  # 47 s: make soak.
 def test_host_cut_off_fails_within_the_timeout_and_comes_back(tmp_path):
     reason = netns.available()
     if reason:

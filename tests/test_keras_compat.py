@@ -134,7 +134,7 @@ READ_ONLY_WRITE = (r"Error: \[Errno (30\] Read-only file system|17\] File exists
 DEAD_PEER = "The following tasks are unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1"
 
 
-# worker:1 traces each step function 14 s longer than worker:0, and the chief ends fit 14 s
+# worker:1 traces the train step 14 s longer than worker:0, and the chief ends fit 14 s
 # after worker:1; a collective times out after 10 s. Not less: a function's first run after
 # tracing (and the first eager collectives that read the metrics) took over 6 s on 2 busy
 # cores, in 2 runs of 3 under `make test-compat`.

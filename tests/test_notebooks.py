@@ -12,8 +12,8 @@ NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "notebooks"
 
 
 @pytest.mark.multiworker
-@pytest.mark.parametrize("name", [  # The scaling notebook (75 s) runs in make soak.
-    pytest.param(n, marks=pytest.mark.slow) if n == "03_scaling.ipynb" else n
+@pytest.mark.parametrize("name", [  # The multi-worker (41 s) and scaling (75 s) ones run in make soak.
+    pytest.param(n, marks=pytest.mark.slow) if n in ("02_multi_worker.ipynb", "03_scaling.ipynb") else n
     for n in sorted(n for n in os.listdir(NOTEBOOKS) if n.endswith(".ipynb"))])
 def test_notebook_runs(tmp_path, name):
     with open(os.path.join(NOTEBOOKS, name), encoding="utf-8") as f:

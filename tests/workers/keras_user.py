@@ -34,7 +34,7 @@ def parse_args():
     parser.add_argument("--delete_backup", action="store_true", help="BackupAndRestore(delete_checkpoint=True)")
     parser.add_argument("--collective_timeout", type=float, default=None)
     parser.add_argument("--slow_trace_seconds", type=float, default=0,
-                        help="worker:1 takes this long to trace each step function, as a large "
+                        help="worker:1 takes this long to trace the train step, as a large "
                              "model on a loaded machine does")
     parser.add_argument("--slow_train_end_seconds", type=float, default=0,
                         help="the chief takes this long to end fit, as one writing a large "
@@ -116,8 +116,7 @@ def main():
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
 
     if args.slow_trace_seconds and task == "worker:1":
-        for name in ("train_step", "test_step"):
-            setattr(model, name, slow_to_trace(getattr(model, name), args.slow_trace_seconds))
+        model.train_step = slow_to_trace(model.train_step, args.slow_trace_seconds)
 
     epochs_run, saved = [], []
     save_weights = model.save_weights
