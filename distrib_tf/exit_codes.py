@@ -23,3 +23,20 @@ USAGE = 2
 NONFINITE = 65
 PREEMPTED = 75
 INTERRUPTED = 130
+
+RETRYABLE_FROM = 128  # Kubeflow Training Operator's `ExitCode` policy: 128 and up restart the pod.
+
+
+def for_tfjob(code: int) -> int:
+    """`code` as the Training Operator's `ExitCode` restart policy should read it: what a
+    retry can cure (1, a crash or a dead peer; 75, preempted with state saved; 130) becomes
+    128 + code, retryable; 0, 2 (bad input) and 65 (NaN stop) stay. Pure.
+
+    Example:
+
+        >>> [for_tfjob(c) for c in (OK, FAILED, USAGE, NONFINITE, PREEMPTED, 137)]
+        [0, 129, 2, 65, 203, 137]
+    """
+    if code in (OK, USAGE, NONFINITE) or code >= RETRYABLE_FROM:
+        return code
+    return RETRYABLE_FROM + code

@@ -83,7 +83,7 @@ def test_kubernetes_manifests_validate_against_the_api_schema(claim):
     for document in documents:
         kubernetes_validate.validate(document, "1.31", strict=True)
     job = documents[-1]["spec"]
-    assert job["backoffLimit"] == 5
+    assert job["backoffLimit"] == 5 * 3  # 5 restarts of the job: a dead task fails its 2 peers too.
     rules = {rule["action"]: rule for rule in job["podFailurePolicy"]["rules"] if "onExitCodes" in rule}
     assert rules["Ignore"]["onExitCodes"]["values"] == [exit_codes.PREEMPTED]
     assert rules["FailJob"]["onExitCodes"]["values"] == [exit_codes.USAGE, exit_codes.NONFINITE]
@@ -103,9 +103,14 @@ def test_slurm_script_asks_for_the_signal_and_requeues_on_preemption():
     assert check.returncode == 0, check.stderr
 
 
+KUBE_EXAMPLE = ["--image=registry.example.com/distrib-tf:latest", "--name=distrib-tf-cnn",
+                "--volume_claim=distrib-tf-runs"]
+
+
 @pytest.mark.parametrize("engine, options, example", [
-    ("kubernetes", ["--image=registry.example.com/distrib-tf:latest", "--name=distrib-tf-cnn",
-                    "--volume_claim=distrib-tf-runs"], "kubernetes.yaml"),
+    ("kubernetes", KUBE_EXAMPLE, "kubernetes.yaml"),
+    *[("kubernetes", [*KUBE_EXAMPLE, f"--engine={e}"], f"kubernetes-{e}.yaml")
+      for e in ("jobset", "trainjob", "tfjob")],
     ("slurm", [], "train.sbatch"),
 ])
 def test_the_examples_are_what_the_exporter_writes_today(engine, options, example):
@@ -138,6 +143,7 @@ def test_jobset_validates_against_its_crd_and_its_pods_get_jobset_hostnames():
     with open(JOBSET_SCHEMA) as f:
         validator = jsonschema.Draft7Validator(json.load(f))
     validator.validate(jobset)  # The CRD's own schema, as the API server checks it.
+    assert _pruned(validator.schema, jobset) == []
     broken = json.loads(json.dumps(jobset))
     broken["spec"]["failurePolicy"]["rules"][0]["action"] = "Restart"  # The check can fail.
     assert any("is not one of" in error.message for error in validator.iter_errors(broken))
@@ -195,3 +201,125 @@ def test_jobset_restart_rules_do_what_each_exit_code_means(failure, action):
         assert failure["exit_code"] not in {v for r in job_spec["podFailurePolicy"]["rules"]
                                            for v in r.get("onExitCodes", {}).get("values", [])}
     assert _jobset_action(jobset["spec"], *_job_failure(job_spec, **failure)) == action
+
+
+def _schema(name):
+    """A validator of the vendored CRD schema `name`, after checking that `pruned` finds
+    nothing the API server would drop from what we write (its check is silent)."""
+    import jsonschema  # pylint: disable=import-outside-toplevel
+
+    with open(os.path.join(ROOT, "tests", "schemas", name)) as f:  # Each "$comment" gives its source.
+        return jsonschema.Draft7Validator(json.load(f))
+
+
+def _pruned(schema, value, path=""):
+    """The fields of `value` that a structural schema does not know: the API server drops
+    them without an error, so a misspelt field would vanish. (An object whose schema lists
+    no fields, `metadata` for one, is checked by the API server itself.)"""
+    if isinstance(value, list):
+        return [p for i, item in enumerate(value) for p in _pruned(schema.get("items", {}), item, f"{path}[{i}]")]
+    if not isinstance(value, dict) or schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    known = schema.get("properties", {})
+    extra = schema.get("additionalProperties")
+    found = []
+    for key, item in value.items():
+        if key in known:
+            found += _pruned(known[key], item, f"{path}.{key}")
+        elif isinstance(extra, dict):
+            found += _pruned(extra, item, f"{path}.{key}")
+        elif known:
+            found.append(f"{path}.{key}")
+    return found
+
+
+def _manifests(engine, *options):
+    result = _export("kubernetes", f"--engine={engine}", f"--cluster_spec={SPEC}", "--image=registry.example/job:1",
+                     "--volume_claim=training-runs", *options, "--", "python", "-m", "distrib_tf.train",
+                     "--model_dir=/runs/cnn")
+    assert result.returncode == 0, result.stderr
+    return list(yaml.safe_load_all(result.stdout))
+
+
+def test_trainjob_and_its_runtime_validate_against_their_crds_and_pods_get_jobset_hostnames():
+    import kubernetes_validate  # pylint: disable=import-outside-toplevel
+
+    config_map, runtime, trainjob = _manifests("trainjob", "--max_restarts=4")
+    runtimes, trainjobs = _schema("trainingruntime-v2.3.0.json"), _schema("trainjob-v2.3.0.json")
+    runtimes.validate(runtime)
+    trainjobs.validate(trainjob)
+    assert _pruned(runtimes.schema, runtime) == [] and _pruned(trainjobs.schema, trainjob) == []
+    broken = json.loads(json.dumps(trainjob))
+    del broken["spec"]["runtimeRef"]["name"]  # The checks can fail.
+    assert any("'name' is a required property" in e.message for e in trainjobs.iter_errors(broken))
+    broken["spec"]["trainer"]["numNodez"] = 3
+    assert _pruned(trainjobs.schema, broken) == [".spec.trainer.numNodez"]
+    assert trainjob["spec"]["runtimeRef"] == {"apiGroup": "trainer.kubeflow.org", "kind": "TrainingRuntime",
+                                              "name": runtime["metadata"]["name"]}
+    assert trainjob["spec"]["trainer"]["numNodes"] == runtime["spec"]["mlPolicy"]["numNodes"] == 3
+    jobset = runtime["spec"]["template"]["spec"]
+    _schema("jobset-v0.12.0.json").validate(  # The runtime's template is a JobSet's spec.
+        {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": {"name": "x"}, "spec": jobset})
+    node = jobset["replicatedJobs"][0]
+    assert node["name"] == "node" and node["template"]["metadata"]["labels"] == {
+        "trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}  # Trainer's trainer step.
+    pod = node["template"]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["name"] == "node"  # Trainer sets the command, env of this one.
+    assert pod["containers"][0]["volumeMounts"][1]["subPathExpr"] == "task-$(JOB_COMPLETION_INDEX)"
+    kubernetes_validate.validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"},
+                                  "spec": node["template"]["spec"]}, "1.31", strict=True)
+    spec = ClusterSpec.from_dict(json.loads(config_map["data"]["spec.json"]))
+    assert [spec.address(task) for task in spec.tasks] == [
+        f"distrib-tf-node-0-{i}.distrib-tf:2222" for i in range(3)]  # The TrainJob's JobSet names.
+
+
+def test_tfjob_validates_against_its_crd_and_asks_the_operator_for_tf_config():
+    (tfjob,) = _manifests("tfjob")
+    tfjobs = _schema("tfjob-v1.9.0.json")
+    tfjobs.validate(tfjob)
+    assert _pruned(tfjobs.schema, tfjob) == []
+    broken = json.loads(json.dumps(tfjob))
+    broken["spec"]["tfReplicaSpecs"]["Worker"]["replicas"] = "2"  # The checks can fail.
+    assert any("is not of type 'integer'" in e.message for e in tfjobs.iter_errors(broken))
+    broken["spec"]["runPolicy"]["cleanPodPolicyy"] = "None"
+    assert _pruned(tfjobs.schema, broken) == [".spec.runPolicy.cleanPodPolicyy"]
+    replicas = tfjob["spec"]["tfReplicaSpecs"]
+    assert {k: v["replicas"] for k, v in replicas.items()} == {"Chief": 1, "Worker": 2}
+    for replica in replicas.values():
+        assert replica["restartPolicy"] == "ExitCode"
+        container = replica["template"]["spec"]["containers"][0]
+        assert container["name"] == "tensorflow"  # Whose exit code the operator reads.
+        assert container["command"][:3] == ["distrib-tf-launch", "--tf_config", "--exit_codes=tfjob"]
+        assert container["volumeMounts"] == [{"name": "runs", "mountPath": "/runs", "subPathExpr": "$(POD_NAME)"}]
+
+
+def _is_retryable_exit_code(code):
+    """The Training Operator's rule (v1.9.0 pkg/util/train/train_util.go, IsRetryableExitCode)."""
+    return code >= 128
+
+
+@pytest.mark.parametrize("code, retried", [
+    (exit_codes.FAILED, True),  # A crash, or a survivor of a dead peer: its pod comes back.
+    (exit_codes.PREEMPTED, True),  # State saved: it resumes.
+    (exit_codes.USAGE, False),  # Bad input: the TFJob fails, a retry would fail again.
+    (exit_codes.NONFINITE, False),  # NaN stop: the same.
+])
+def test_tfjob_launcher_exit_codes_meet_the_exit_code_policy(tmp_path, code, retried):
+    """A pod's launcher for real, its task from TF_CONFIG as the operator writes it, its task
+    exiting `code`: the code the pod ends with, under the operator's rule."""
+    tf_config = {"cluster": {"chief": ["127.0.0.1:23480"], "worker": ["127.0.0.1:23481"]},
+                 "task": {"type": "worker", "index": 0}}
+    result = subprocess.run(
+        [sys.executable, "-m", "distrib_tf.launch", "--tf_config", "--exit_codes=tfjob", "--network=host",
+         "--", sys.executable, "-c", f"import json, os, sys; print(os.environ['TF_CONFIG']); sys.exit({code})"],
+        env={**os.environ, "PYTHONPATH": ROOT, "TF_CONFIG": json.dumps(tf_config)},
+        capture_output=True, text=True, timeout=60)
+    assert json.loads(re.search(r"\{.*\}", result.stdout).group(0))["task"] == tf_config["task"]
+    assert (result.returncode != exit_codes.OK and _is_retryable_exit_code(result.returncode)) == retried, (
+        result.returncode, result.stdout, result.stderr)
+    without = subprocess.run(  # Our own codes, all under 128: every one would fail the TFJob.
+        [sys.executable, "-m", "distrib_tf.launch", "--tf_config", "--network=host", "--",
+         sys.executable, "-c", f"import sys; sys.exit({code})"],
+        env={**os.environ, "PYTHONPATH": ROOT, "TF_CONFIG": json.dumps(tf_config)},
+        capture_output=True, text=True, timeout=60)
+    assert without.returncode == code and not _is_retryable_exit_code(without.returncode)

@@ -2,7 +2,7 @@
 
 Usage:
 
-    distrib-tf-export kubernetes --cluster_spec=PATH --image=IMAGE [--engine=job|jobset]
+    distrib-tf-export kubernetes --cluster_spec=PATH --image=IMAGE [--engine=job|jobset|trainjob|tfjob]
         [--name=NAME] [--port=2222] [--gpus_per_task=N] [--volume_claim=CLAIM] [--out=FILE] -- COMMAND ...
     distrib-tf-export slurm --cluster_spec=PATH [--out=FILE] -- COMMAND ...
 
@@ -22,6 +22,17 @@ from distrib_tf.deploy import kubernetes
 from distrib_tf.deploy import slurm
 
 
+class _Dumper(yaml.SafeDumper):
+    """Writes a value shared between places in full at each: no `&id001` anchors."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
+ENGINES = {"job": kubernetes.kubernetes_manifests, "jobset": kubernetes.jobset_manifests,
+           "trainjob": kubernetes.trainjob_manifests, "tfjob": kubernetes.tfjob_manifests}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparsing.Parser(prog="distrib-tf-export", description="Write the job for an existing engine.")
     engines = parser.add_subparsers(dest="target", required=True, parser_class=argparsing.Parser)
@@ -32,8 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     kube.add_argument("--gpus_per_task", type=int, default=0, help="nvidia.com/gpu per pod")
     kube.add_argument("--max_restarts", type=int, default=3, help="failed pods retried (backoffLimit)")
     kube.add_argument("--volume_claim", help=f"PersistentVolumeClaim mounted at {kubernetes.RUNS} for --model_dir")
-    kube.add_argument("--engine", choices=("job", "jobset"), default="job",
-                      help="job: a plain Indexed Job; jobset: a JobSet that restarts every pod together")
+    kube.add_argument("--engine", choices=tuple(ENGINES), default="job",
+                      help="job: a plain Indexed Job; jobset: a JobSet that restarts every pod together; "
+                           "trainjob: a Kubeflow Trainer v2 TrainJob and its runtime; tfjob: a Kubeflow "
+                           "Training Operator TFJob")
     slurm_parser = engines.add_parser("slurm", help="an sbatch script with signal and requeue")
     slurm_parser.add_argument("--job_name", default="distrib_tf", help="sbatch --job-name")
     for engine in (kube, slurm_parser):
@@ -58,11 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             if not args.volume_claim:
                 print(f"distrib-tf-export: warning: no --volume_claim: {kubernetes.RUNS} is an emptyDir that "
                       "dies with its pod, so a recreated pod cannot resume", file=sys.stderr)
-            manifests = {"job": kubernetes.kubernetes_manifests, "jobset": kubernetes.jobset_manifests}
-            text = yaml.safe_dump_all(manifests[args.engine](
+            text = yaml.dump_all(ENGINES[args.engine](
                 spec, name=args.name, image=args.image, command=command, port=args.port,
                 gpus_per_task=args.gpus_per_task, max_restarts=args.max_restarts,
-                volume_claim=args.volume_claim), sort_keys=False)
+                volume_claim=args.volume_claim), Dumper=_Dumper, sort_keys=False)
         else:
             text = slurm.batch_script(spec, command=command, job_name=args.job_name)
     except ValueError as e:

@@ -4,7 +4,8 @@
 with one pod per task of the spec. Pod `i` runs `distrib-tf-launch --task_ordinal=i`:
 the launcher gives it the `TF_CONFIG` of the spec's i-th task, with each task's address
 replaced by its pod's stable DNS name (`NAME-i.NAME:PORT`). Failed pods are retried
-(`backoffLimit` = `--max_restarts`); a pod that exits 75 (preempted, its state saved) is
+(`backoffLimit` = `--max_restarts` times the tasks: a dead task fails its peers too, so one
+restart of the job costs a pod per task); a pod that exits 75 (preempted, its state saved) is
 recreated without counting against that limit, and one that exits 2 (bad input) or 65
 (a NaN or Inf loss) fails the Job at once (`podFailurePolicy`). `/runs` in every pod is the volume claim
 `--volume_claim` (put `--model_dir` under it: backups must outlive the pod), else an
@@ -17,9 +18,14 @@ recreates every pod at once (a multi-worker TensorFlow job cannot continue witho
 them). Its rules, first match wins: exit 2 or 65 fail the JobSet (a retry would fail
 again); exit 75 and a disruption (eviction, preemption) restart it without counting
 against `maxRestarts`; anything else (a crash, a dead peer) restarts it and counts.
-Pods find each other at JobSet's DNS names, `NAME-task-0-i.NAME`. Storage is the same
-`--volume_claim` on every pod (ReadWriteMany: the backups of each task go to their own
-directory under `model_dir/backup/`).
+Pods find each other at JobSet's DNS names, `NAME-task-0-i.NAME`. Storage is one
+ReadWriteMany `--volume_claim` with a sub-path per task (`task-$(JOB_COMPLETION_INDEX)`):
+each task has its own `/runs`, as on a disk of its own.
+
+`trainjob_manifests` writes the JobSet above as a Kubeflow Trainer v2 `TrainingRuntime`
+and a `TrainJob` that uses it; `tfjob_manifests` a Training Operator `TFJob` whose pods
+take `TF_CONFIG` from the operator and exit with codes its `ExitCode` policy reads
+(`distrib_tf.exit_codes.for_tfjob`).
 
 This module imports no TensorFlow.
 """
@@ -48,17 +54,19 @@ def kubernetes_spec(spec: ClusterSpec, *, name: str, port: int) -> ClusterSpec:
 
 
 def _container(*, image: str, command: list[str], port: int, gpus_per_task: int,
-               grace_seconds: int) -> dict:
+               grace_seconds: int, name: str = "task", per_task_volume: bool = False) -> dict:
     """The task's container: the launcher, given its task by the Job's completion index."""
+    runs = {"name": "runs", "mountPath": RUNS}
+    if per_task_volume:  # One claim for all: each task in its own directory, as on its own disk.
+        runs["subPathExpr"] = "task-$(JOB_COMPLETION_INDEX)"
     container = {
-        "name": "task",
+        "name": name,
         "image": image,
         "command": ["distrib-tf-launch", "--cluster_spec=/etc/distrib_tf/spec.json",
                     "--task_ordinal=$(JOB_COMPLETION_INDEX)",
                     f"--grace_period={launcher_grace(grace_seconds)}", "--", *command],
         "ports": [{"containerPort": port, "name": "grpc"}],
-        "volumeMounts": [{"name": "spec", "mountPath": "/etc/distrib_tf"},
-                         {"name": "runs", "mountPath": RUNS}],
+        "volumeMounts": [{"name": "spec", "mountPath": "/etc/distrib_tf"}, runs],
     }
     if gpus_per_task:
         container["resources"] = {"limits": {"nvidia.com/gpu": gpus_per_task}}
@@ -92,7 +100,8 @@ def kubernetes_manifests(spec: ClusterSpec, *, name: str, image: str, command: l
         {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": labels},
          "spec": {
              "completionMode": "Indexed", "completions": tasks, "parallelism": tasks,
-             "backoffLimit": max_restarts,
+             # A dead task fails its peers too: one restart of the job costs a pod per task.
+             "backoffLimit": max_restarts * tasks,
              "podFailurePolicy": {"rules": [
                  {"action": "Ignore", "onExitCodes": {"containerName": "task", "operator": "In",
                                                       "values": [exit_codes.PREEMPTED]}},
@@ -125,44 +134,143 @@ def jobset_manifests(spec: ClusterSpec, *, name: str, image: str, command: list[
     """ConfigMap and JobSet for `spec` (see the module docstring for its failure policy). Pure."""
     labels = {"app.kubernetes.io/name": name}
     container = _container(image=image, command=command, port=port, gpus_per_task=gpus_per_task,
-                           grace_seconds=grace_seconds)
-    tasks = len(spec.tasks)
-
-    def on_exit(codes):
-        return {"containerName": "task", "operator": "In", "values": codes}
-
+                           grace_seconds=grace_seconds, per_task_volume=bool(volume_claim))
     return [
         _config_map(jobset_spec(spec, name=name, port=port), name, labels),
         {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": {"name": name, "labels": labels},
-         "spec": {
-             "network": {"enableDNSHostnames": True, "subdomain": name},
-             "failurePolicy": {"maxRestarts": max_restarts, "rules": [
-                 # Kubernetes's message for a FailJob rule: "Container task for pod NS/POD failed
-                 # with exit code N matching FailJob rule at index I"; for a pod condition:
-                 # "Pod NS/POD has condition DisruptionTarget matching FailJob rule at index I".
-                 {"name": "BadInputOrNonFinite", "action": "FailJobSet",
-                  "onJobFailureReasons": ["PodFailurePolicy"],
-                  "onJobFailureMessagePatterns": [
-                      f"failed with exit code ({exit_codes.USAGE}|{exit_codes.NONFINITE}) matching"]},
-                 {"name": "PreemptedOrDisrupted", "action": "RestartJobSetAndIgnoreMaxRestarts",
-                  "onJobFailureReasons": ["PodFailurePolicy"],
-                  "onJobFailureMessagePatterns": [f"failed with exit code {exit_codes.PREEMPTED} matching",
-                                                  "has condition DisruptionTarget matching"]},
-             ]},
-             "replicatedJobs": [{"name": REPLICATED_JOB, "replicas": 1, "template": {"spec": {
-                 "completionMode": "Indexed", "completions": tasks, "parallelism": tasks,
-                 "backoffLimit": 0,  # One failed pod fails the Job: the JobSet then acts on all.
-                 "podFailurePolicy": {"rules": [
-                     {"action": "FailJob", "onExitCodes": on_exit([exit_codes.USAGE, exit_codes.NONFINITE])},
-                     {"action": "FailJob", "onExitCodes": on_exit([exit_codes.PREEMPTED])},
-                     {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-                 ]},
-                 "template": {
-                     "metadata": {"labels": labels},
-                     "spec": {"restartPolicy": "Never", "containers": [container],
-                              "terminationGracePeriodSeconds": grace_seconds,
-                              "volumes": _volumes(name, volume_claim)},
-                 },
-             }}}],
-         }},
+         "spec": _jobset_body(spec, name=name, job_name=REPLICATED_JOB, container=container,
+                              labels=labels, max_restarts=max_restarts, volume_claim=volume_claim,
+                              grace_seconds=grace_seconds)},
     ]
+
+
+def _jobset_body(spec: ClusterSpec, *, name: str, job_name: str, container: dict, labels: dict,
+                 max_restarts: int, volume_claim: str | None, grace_seconds: int,
+                 job_labels: dict | None = None) -> dict:
+    """A JobSet's spec: one Indexed Job of every task, restarted together (module docstring)."""
+    tasks = len(spec.tasks)
+
+    def on_exit(codes):
+        return {"containerName": container["name"], "operator": "In", "values": codes}
+
+    job = {"spec": {
+        "completionMode": "Indexed", "completions": tasks, "parallelism": tasks,
+        "backoffLimit": 0,  # One failed pod fails the Job: the JobSet then acts on all.
+        "podFailurePolicy": {"rules": [
+            {"action": "FailJob", "onExitCodes": on_exit([exit_codes.USAGE, exit_codes.NONFINITE])},
+            {"action": "FailJob", "onExitCodes": on_exit([exit_codes.PREEMPTED])},
+            {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        ]},
+        "template": {
+            "metadata": {"labels": labels},
+            "spec": {"restartPolicy": "Never", "containers": [container],
+                     "terminationGracePeriodSeconds": grace_seconds,
+                     "volumes": _volumes(name, volume_claim)},
+        },
+    }}
+    if job_labels:
+        job["metadata"] = {"labels": job_labels}
+    return {
+        "network": {"enableDNSHostnames": True, "subdomain": name},
+        "failurePolicy": {"maxRestarts": max_restarts, "rules": [
+            # Kubernetes's message for a FailJob rule: "Container task for pod NS/POD failed
+            # with exit code N matching FailJob rule at index I"; for a pod condition:
+            # "Pod NS/POD has condition DisruptionTarget matching FailJob rule at index I".
+            {"name": "BadInputOrNonFinite", "action": "FailJobSet",
+             "onJobFailureReasons": ["PodFailurePolicy"],
+             "onJobFailureMessagePatterns": [
+                 f"failed with exit code ({exit_codes.USAGE}|{exit_codes.NONFINITE}) matching"]},
+            {"name": "PreemptedOrDisrupted", "action": "RestartJobSetAndIgnoreMaxRestarts",
+             "onJobFailureReasons": ["PodFailurePolicy"],
+             "onJobFailureMessagePatterns": [f"failed with exit code {exit_codes.PREEMPTED} matching",
+                                             "has condition DisruptionTarget matching"]},
+        ]},
+        "replicatedJobs": [{"name": job_name, "replicas": 1, "template": job}],
+    }
+
+
+TRAINER_JOB = "node"  # Kubeflow Trainer's name for the trainer's Job and its container.
+TRAINER_API = "trainer.kubeflow.org/v1alpha1"
+
+
+def trainjob_spec(spec: ClusterSpec, *, name: str, port: int) -> ClusterSpec:
+    """The spec as seen inside a TrainJob's JobSet: task i at `NAME-node-0-i.NAME:PORT`."""
+    return _addressed(spec, lambda i: f"{name}-{TRAINER_JOB}-0-{i}.{name}:{port}",
+                      f"the TrainJob spec of {spec.source}")
+
+
+def trainjob_manifests(spec: ClusterSpec, *, name: str, image: str, command: list[str],
+                       port: int = 2222, gpus_per_task: int = 0, max_restarts: int = 3,
+                       volume_claim: str | None = None, grace_seconds: int = 120) -> list[dict]:
+    """ConfigMap, TrainingRuntime and TrainJob (Kubeflow Trainer v2) for `spec`. Pure.
+
+    Trainer ships no TensorFlow runtime; this one is plain (`mlPolicy` without a framework,
+    Trainer's PlainML plugin): a JobSet whose trainer Job runs our launcher in every pod,
+    with the JobSet failure policy of `jobset_manifests`. The TrainJob's JobSet is named
+    after it, so the pods' hostnames, and the spec in the ConfigMap, follow from NAME.
+    """
+    labels = {"app.kubernetes.io/name": name}
+    container = _container(image=image, command=command, port=port, gpus_per_task=gpus_per_task,
+                           grace_seconds=grace_seconds, name=TRAINER_JOB,
+                           per_task_volume=bool(volume_claim))
+    tasks = len(spec.tasks)
+    body = _jobset_body(spec, name=name, job_name=TRAINER_JOB, container=container, labels=labels,
+                        max_restarts=max_restarts, volume_claim=volume_claim,
+                        grace_seconds=grace_seconds,
+                        job_labels={"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"})
+    return [
+        _config_map(trainjob_spec(spec, name=name, port=port), name, labels),
+        {"apiVersion": TRAINER_API, "kind": "TrainingRuntime", "metadata": {"name": name, "labels": labels},
+         "spec": {"mlPolicy": {"numNodes": tasks}, "template": {"spec": body}}},
+        {"apiVersion": TRAINER_API, "kind": "TrainJob", "metadata": {"name": name, "labels": labels},
+         "spec": {"runtimeRef": {"apiGroup": "trainer.kubeflow.org", "kind": "TrainingRuntime", "name": name},
+                  "trainer": {"numNodes": tasks}}},
+    ]
+
+
+TFJOB_CONTAINER = "tensorflow"  # The Training Operator reads the exit code of this container.
+_TFJOB_TYPES = {"chief": "Chief", "worker": "Worker", "evaluator": "Evaluator"}
+
+
+def tfjob_manifests(spec: ClusterSpec, *, name: str, image: str, command: list[str],
+                    port: int = 2222, gpus_per_task: int = 0, max_restarts: int = 3,
+                    volume_claim: str | None = None, grace_seconds: int = 120) -> list[dict]:
+    """A TFJob (Kubeflow Training Operator 1.9, `kubeflow.org/v1`) for `spec`. Pure.
+
+    The operator gives every pod its `TF_CONFIG`; the launcher takes its task from there
+    (`--tf_config`). `restartPolicy: ExitCode` recreates a pod whose exit code is 128 or
+    more and fails the job on 1 to 127, so the launcher reports with `--exit_codes=tfjob`
+    (`distrib_tf.exit_codes.for_tfjob`): a crash, a dead peer (1) and a preemption (75)
+    become retryable; bad input (2) and a NaN stop (65) stay permanent. Under ExitCode the
+    operator recreates pods rather than restarting containers, and its `backoffLimit`
+    counts container restarts only: nothing bounds the restarts (`--max_restarts` is not
+    used; watch the job's events). Storage: `--volume_claim` is mounted in every pod at
+    `/runs/` with the pod's name as its sub-path (ReadWriteMany), its own disk.
+    """
+    del max_restarts  # See above: the operator has nothing to bound restarts under ExitCode.
+    labels = {"app.kubernetes.io/name": name}
+    runs = {"name": "runs", "mountPath": RUNS}
+    if volume_claim:
+        runs["subPathExpr"] = "$(POD_NAME)"
+    container = {
+        "name": TFJOB_CONTAINER, "image": image,
+        "command": ["distrib-tf-launch", "--tf_config", "--exit_codes=tfjob",
+                    f"--grace_period={launcher_grace(grace_seconds)}", "--", *command],
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        "ports": [{"containerPort": port, "name": "tfjob-port"}],
+        "volumeMounts": [runs],
+    }
+    if gpus_per_task:
+        container["resources"] = {"limits": {"nvidia.com/gpu": gpus_per_task}}
+    runs_volume = ({"name": "runs", "persistentVolumeClaim": {"claimName": volume_claim}} if volume_claim
+                   else {"name": "runs", "emptyDir": {}})
+    replicas = {}
+    for job, addresses in spec.jobs.items():
+        replicas[_TFJOB_TYPES[job]] = {
+            "replicas": len(addresses), "restartPolicy": "ExitCode",
+            "template": {"metadata": {"labels": labels}, "spec": {
+                "containers": [container], "terminationGracePeriodSeconds": grace_seconds,
+                "volumes": [runs_volume]}},
+        }
+    return [{"apiVersion": "kubeflow.org/v1", "kind": "TFJob", "metadata": {"name": name, "labels": labels},
+             "spec": {"runPolicy": {"cleanPodPolicy": "None"}, "tfReplicaSpecs": replicas}}]

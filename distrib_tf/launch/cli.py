@@ -65,7 +65,8 @@ ends the launch the same way. Ctrl-C stops the whole group the same way and exit
 Signal handlers only record the signal; the supervision loop acts on it.
 
 Exit codes (`distrib_tf.exit_codes`): 0 every task succeeded; 1 a task failed and no
-restarts remain; 2 bad input (nothing started, or a task reported bad input); 75
+restarts remain; 2 bad input (nothing started, or a task reported bad input); 65 the main
+job stopped on a NaN or Inf loss; 75
 preempted, the state is saved, start again to resume; 130 interrupted by Ctrl-C (or
 SIGTERM to a job that did not save).
 
@@ -79,6 +80,7 @@ import shutil
 import sys
 
 from distrib_tf import argparsing
+from distrib_tf import cluster
 from distrib_tf import exit_codes
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import Task
@@ -131,6 +133,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--task", metavar="TYPE:INDEX", help="start only this task")
     parser.add_argument("--task_ordinal", type=int,
                         help="start only the spec's N-th task (chief, workers, evaluator order)")
+    parser.add_argument("--tf_config", action="store_true",
+                        help="the cluster and this task come from TF_CONFIG (a TFJob's pod)")
+    parser.add_argument("--exit_codes", choices=("ours", "tfjob"), default="ours",
+                        help="tfjob: 128 + code for what a retry can cure (distrib_tf.exit_codes.for_tfjob)")
     parser.add_argument("--slurm", action="store_true",
                         help="inside srun: the cluster and this task come from SLURM_*")
     parser.add_argument("--max_restarts", type=int, default=0,
@@ -167,6 +173,18 @@ def _select_tasks(args: argparse.Namespace) -> tuple[ClusterSpec, tuple[Task, ..
                              "requeue). Expected no --cluster_spec, --workers, --task, --task_ordinal or "
                              "--max_restarts.")
         spec, task = slurm.load_cluster()
+        return spec, (task,)
+    if args.tf_config:
+        if args.cluster_spec or args.workers or args.task or args.task_ordinal is not None or args.slurm:
+            raise ValueError("Invalid arguments with `--tf_config`: the cluster and the task come "
+                             "from TF_CONFIG. Expected no --cluster_spec, --workers, --task, "
+                             "--task_ordinal or --slurm.")
+        loaded = cluster.load_tf_config()
+        if loaded is None:
+            raise ValueError("Missing TF_CONFIG with `--tf_config`. Expected the TF_CONFIG that "
+                             "a TFJob's operator sets in each pod.")
+        spec, task = loaded
+        _refuse_free_ports(spec, "--tf_config")
         return spec, (task,)
     if args.workers and args.cluster_spec:
         raise ValueError("Invalid arguments: both `--workers` and `--cluster_spec`. Expected one: "
@@ -252,5 +270,5 @@ def main(argv: list[str] | None = None) -> int:
     if result.exit_code == exit_codes.FAILED:
         print(f"distrib-tf-launch: job failed after {result.attempts} attempt(s); first "
               f"failure: {result.first_failure.describe()}", file=sys.stderr)
-    return result.exit_code
+    return exit_codes.for_tfjob(result.exit_code) if args.exit_codes == "tfjob" else result.exit_code
 

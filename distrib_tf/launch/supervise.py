@@ -284,8 +284,8 @@ def _run(config: LaunchConfig, console: console_lib.Sink) -> LaunchResult:
             first_failure = first_failure or failure
             if ended.returncode in (exit_codes.USAGE, exit_codes.NONFINITE):  # It would fail again.
                 _report(failure, attempt, 0, console, isolated)
-                return LaunchResult(exit_codes.USAGE if ended.returncode == exit_codes.USAGE else exit_codes.FAILED,
-                                    attempt, first_failure)
+                # Its own code: the Kubernetes exports' rules fail the job on 2 and 65.
+                return LaunchResult(ended.returncode, attempt, first_failure)
             _report(failure, attempt, config.max_restarts - restarts, console, isolated)
             if restarts == config.max_restarts:
                 return LaunchResult(exit_codes.FAILED, attempt, first_failure)
