@@ -4,7 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-fast test-compat soak bench bench-data bench-layout bench-scaling bench-sync bench-overhead lint clean
+VENV_RAY := .venv-ray
+STAMP_RAY := $(VENV_RAY)/.installed
+
+.PHONY: install train test test-fast test-compat test-ray test-engines soak bench bench-data bench-layout bench-scaling bench-sync bench-overhead lint clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,15 +22,30 @@ train: $(STAMP)
 	    -- $(PY) -m distrib_tf.train --model=cnn --model_dir=runs/cnn
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=10 -m "not slow"
+	$(PY) -m pytest -q --durations=10 -m "not slow and not engines"
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not multiworker and not slow"
+	$(PY) -m pytest -q -m "not multiworker and not slow and not engines"
 
 # The Keras compat tests and multi-worker training tests once per Keras minor that setup.cfg
 # declares (but .venv's own), each in its own venv.
 test-compat: $(STAMP)
 	scripts/test_compat.sh -k "not killed_run"
+
+# Ray Train on a two-node local Ray cluster (as root), in a venv of its own with the `ray` extra.
+$(STAMP_RAY): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV_RAY)
+	$(VENV_RAY)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_RAY)/bin/python -m pip install --quiet -e '.[test,ray]'
+	touch $(STAMP_RAY)
+
+test-ray: $(STAMP_RAY)
+	DISTRIB_TF_REQUIRE_RAY=1 $(VENV_RAY)/bin/python -m pytest -q --durations=5 tests/test_ray.py
+
+# As root: the Kubernetes exports' pods as local processes, each engine's restart rules
+# played on them (tests/test_engines.py): a killed pod, a preemption, a bad flag.
+test-engines: $(STAMP)
+	$(PY) -m pytest -q --durations=5 -m engines tests/test_engines.py
 
 soak: $(STAMP)
 	DISTRIB_TF_SOAK_REPORT=soak_report.json $(PY) -m pytest -q -s -m slow

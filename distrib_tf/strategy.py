@@ -17,6 +17,7 @@ strategy and logical CPU devices are configured when the runtime starts.
 """
 
 import dataclasses
+import importlib.util
 import logging
 import os
 
@@ -132,6 +133,7 @@ def make_strategy(
     """
     if timeout_seconds is None and os.environ.get(TIMEOUT_ENV):
         timeout_seconds = _float_from_env(TIMEOUT_ENV)
+    _drop_legacy_keras_without_tf_keras()
     options = StrategyOptions(
         kind=kind,
         cpu_replicas=cpu_replicas,
@@ -153,6 +155,18 @@ def make_strategy(
     compat.apply()
     logger.info(describe_strategy(strategy))
     return strategy
+
+
+LEGACY_KERAS_ENV = "TF_USE_LEGACY_KERAS"
+
+
+def _drop_legacy_keras_without_tf_keras() -> None:
+    """Ray Train sets `TF_USE_LEGACY_KERAS=1` in its TensorFlow workers: where tf_keras is
+    not installed, `tf.keras` then fails to import, here and in every child process."""
+    if os.environ.get(LEGACY_KERAS_ENV) and importlib.util.find_spec("tf_keras") is None:
+        logger.info("%s is set but tf_keras is not installed: unset, tf.keras is Keras 3",
+                    LEGACY_KERAS_ENV)
+        del os.environ[LEGACY_KERAS_ENV]
 
 
 def _check_layout(kind: str, tf_config) -> None:

@@ -8,6 +8,7 @@ so a user's own callbacks get the same behaviour.
 
 import logging
 import os
+import tempfile
 import time
 
 import keras
@@ -153,3 +154,28 @@ def make_callbacks(model_dir: str, *, task: str, is_chief: bool, epochs: int,
     if not is_chief:
         callbacks.append(EpochLine(task, epochs))
     return callbacks
+
+
+class ReportToRay(keras.callbacks.Callback):
+    """Under Ray Train, `ray.train.report(logs)` at every epoch end, on every rank alike
+    (Ray's report is a barrier); rank 0 may attach the model as a checkpoint with
+    `checkpoint_every` epochs. For a user's own `fit` in a `train_loop_per_worker`."""
+
+    def __init__(self, checkpoint_every: int = 0):
+        super().__init__()
+        self.checkpoint_every = checkpoint_every
+
+    def on_epoch_end(self, epoch, logs=None):
+        import ray.train  # pylint: disable=import-outside-toplevel  (only under Ray)
+
+        metrics = {"epoch": epoch + 1, **{k: float(v) for k, v in (logs or {}).items()}}
+        every = self.checkpoint_every
+        if not (every and (epoch + 1) % every == 0):
+            ray.train.report(metrics)
+            return
+        with tempfile.TemporaryDirectory() as directory:
+            checkpoint = None
+            if ray.train.get_context().get_world_rank() == 0:
+                self.model.save(os.path.join(directory, "model.keras"))
+                checkpoint = ray.train.Checkpoint.from_directory(directory)
+            ray.train.report(metrics, checkpoint=checkpoint)
