@@ -1,6 +1,8 @@
-"""The same job on an engine people already run: Kubernetes (`kubernetes`) and Slurm (`slurm`).
+"""The same job on an engine people already run: Kubernetes (`kubernetes`), Slurm (`slurm`)
+and Ray Train (`ray_train`).
 
-`distrib-tf-export` (`distrib_tf.deploy.cli`) writes their files. No TensorFlow here.
+`distrib-tf-export` (`distrib_tf.deploy.cli`) writes the files of the first two;
+`distrib-tf-ray` runs the job under Ray. No TensorFlow here.
 """
 
 GRACE_MARGIN_SECONDS = 10

@@ -122,9 +122,10 @@ def kubernetes_manifests(spec: ClusterSpec, *, name: str, image: str, command: l
 REPLICATED_JOB = "task"
 
 
-def jobset_spec(spec: ClusterSpec, *, name: str, port: int) -> ClusterSpec:
-    """The spec as seen inside the JobSet: task i lives at `NAME-task-0-i.NAME:PORT`."""
-    return _addressed(spec, lambda i: f"{name}-{REPLICATED_JOB}-0-{i}.{name}:{port}",
+def jobset_spec(spec: ClusterSpec, *, name: str, port: int, job: str = REPLICATED_JOB) -> ClusterSpec:
+    """The spec as seen inside the JobSet NAME: task i lives at `NAME-JOB-0-i.NAME:PORT`,
+    the DNS name JobSet gives pod i of the first Job of its replicated job JOB."""
+    return _addressed(spec, lambda i: f"{name}-{job}-0-{i}.{name}:{port}",
                       f"the JobSet spec of {spec.source}")
 
 
@@ -193,12 +194,6 @@ TRAINER_JOB = "node"  # Kubeflow Trainer's name for the trainer's Job and its co
 TRAINER_API = "trainer.kubeflow.org/v1alpha1"
 
 
-def trainjob_spec(spec: ClusterSpec, *, name: str, port: int) -> ClusterSpec:
-    """The spec as seen inside a TrainJob's JobSet: task i at `NAME-node-0-i.NAME:PORT`."""
-    return _addressed(spec, lambda i: f"{name}-{TRAINER_JOB}-0-{i}.{name}:{port}",
-                      f"the TrainJob spec of {spec.source}")
-
-
 def trainjob_manifests(spec: ClusterSpec, *, name: str, image: str, command: list[str],
                        port: int = 2222, gpus_per_task: int = 0, max_restarts: int = 3,
                        volume_claim: str | None = None, grace_seconds: int = 120) -> list[dict]:
@@ -219,7 +214,7 @@ def trainjob_manifests(spec: ClusterSpec, *, name: str, image: str, command: lis
                         grace_seconds=grace_seconds,
                         job_labels={"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"})
     return [
-        _config_map(trainjob_spec(spec, name=name, port=port), name, labels),
+        _config_map(jobset_spec(spec, name=name, port=port, job=TRAINER_JOB), name, labels),
         {"apiVersion": TRAINER_API, "kind": "TrainingRuntime", "metadata": {"name": name, "labels": labels},
          "spec": {"mlPolicy": {"numNodes": tasks}, "template": {"spec": body}}},
         {"apiVersion": TRAINER_API, "kind": "TrainJob", "metadata": {"name": name, "labels": labels},

@@ -96,6 +96,8 @@ def main_job_loop(config: dict) -> None:
             child.wait()
     if code != exit_codes.OK:
         raise JobExit(code, rank)
+    if finished is None:
+        raise RuntimeError(f"rank {rank}: the main job exited 0 without its `finished` event")
     with tempfile.TemporaryDirectory() as directory:
         checkpoint = None
         if finished.get("summary"):  # The chief's.
