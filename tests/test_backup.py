@@ -91,6 +91,26 @@ def test_weights_damaged_after_a_crash_fall_back_to_the_backup_before(tmp_path, 
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_worker_killed_writing_its_first_backup_starts_again_with_its_peers(tmp_path):
+    """worker:0 holds the start and step 5; worker:1 was killed while writing step 5, so
+    holds the start only: every worker starts again at 0 (it was a ResumeError, "worker:1
+    holds no backup", seen in make test-engines when a pod was killed that early)."""
+    rows = []
+    for task, steps in (("worker:0", [0, 5]), ("worker:1", [0])):
+        directory = tmp_path / task.replace(":", "-")
+        callback = backup.WorkerBackup(str(directory), run="run-a", task=task, steps_per_epoch=10,
+                                       every_steps=5)
+        callback.set_model(_model())
+        for step in steps:
+            callback.step = step
+            callback.save()
+        rows.append(backup._describe_local(str(directory), "run-a", task))  # pylint: disable=protected-access
+    assert backup.decide(np.array(rows)) == 0
+    rows[1] = backup._describe_local(str(tmp_path / "lost"), "run-a", "worker:1")  # A disk lost: no backup.
+    with pytest.raises(backup.ResumeError, match="worker:1 holds no backup"):
+        backup.decide(np.array(rows))
+
+
 def _row(job, index, status, *steps):
     return [job, index, status, *([-1] * (2 - len(steps)) + list(steps))]
 

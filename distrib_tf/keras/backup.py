@@ -197,9 +197,9 @@ def remove_backups(directory: str) -> None:
             return
 
 
-def _describe_local(directory: str, run: str, task: str, include_start: bool) -> np.ndarray:
+def _describe_local(directory: str, run: str, task: str) -> np.ndarray:
     job, index = task.split(":")
-    backups = [b for b in list_backups(directory) if include_start or b["step"] > 0]
+    backups = list_backups(directory)
     foreign = [b for b in backups if b.get("run") != run]
     status = _FOREIGN if foreign else (_OURS if backups else _NONE)
     steps = [b["step"] for b in backups][-2:]
@@ -218,8 +218,11 @@ def agree_on_resume(model, directory: str, *, run: str, task: str, include_start
     """Agrees with every worker on the step to resume from, and restores it.
 
     Must be called by every worker at the same point, after `compile` and before `fit`.
-    The backup of step 0 (the starting point) counts only with `include_start`, which a
-    rollback uses: a job that never got past its start simply starts again.
+    The backup of step 0 (the starting point) is restored only with `include_start`, which
+    a rollback uses; a resume at step 0 is a fresh start. It counts as a held step all the
+    same: a worker killed while writing its first backup after the start holds step 0 only
+    while its peers hold that first backup too, and every worker starts again at 0 (this
+    failed with "holds no backup" when step 0 did not count).
 
     Returns:
         The global step restored (0: a fresh start, nothing restored).
@@ -228,7 +231,7 @@ def agree_on_resume(model, directory: str, *, run: str, task: str, include_start
             raises the same error.
     """
     strategy = model.distribute_strategy
-    row = _describe_local(directory, run, task, include_start)
+    row = _describe_local(directory, run, task)
     phases.enter(strategy, "agree_on_resume")  # A worker slow to start is not a dead one.
     rows = gather_rows(strategy, row)
     step = decide(rows)
