@@ -194,6 +194,7 @@ def test_host_cut_off_fails_within_the_timeout_and_comes_back(tmp_path):
     assert (summary["epochs"] and summary["epochs"][-1]["epoch"] == 4) or summary["resumed_at_step"] == 4 * 40, summary
 
 
+@pytest.mark.slow  # 23 to 29 s: make soak (tests/test_backup.py has torn writes in one process).
 def test_sigkill_while_a_backup_is_written_leaves_one_that_restores(tmp_path):
     """strace holds the rename that commits step 6's backup; SIGKILL arrives during the hold."""
     strace = shutil.which("strace")
@@ -230,6 +231,7 @@ def test_sigkill_while_a_backup_is_written_leaves_one_that_restores(tmp_path):
 
 
 @pytest.mark.multiworker
+@pytest.mark.slow  # 19 s: make soak.
 def test_a_chief_killed_while_it_writes_its_outputs_leaves_a_job_that_finishes(tmp_path):
     """strace holds the rename that commits the chief's SavedModel (`serving/`, after
     `model.keras`, before `summary.json`); both workers are killed during the hold (the

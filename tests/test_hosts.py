@@ -91,6 +91,7 @@ def test_hosts_with_their_own_disks_resume_from_one_point(tmp_path):
           f"{time.monotonic() - killed:.1f} s from kill to the end of the job", flush=True)
 
 
+@pytest.mark.slow  # 24 s: make soak (tests/test_evaluator.py runs in make test).
 def test_evaluator_follows_the_chiefs_checkpoints(tmp_path):
     model_dir = tmp_path / "run"
     result = subprocess.run(

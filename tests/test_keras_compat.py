@@ -111,6 +111,7 @@ def test_checkpoints_hold_the_chiefs_files_only(two_workers):
         "latest.weights.h5", "training_metadata.json"]
 
 
+@pytest.mark.slow  # 24 to 29 s: make soak (the launcher's kill-and-resume tests run in make test).
 def test_killed_run_resumes_from_backup(tmp_path, two_workers):
     first = run_cluster(
         [USER_SCRIPT, "--out", tmp_path, "--kill_self_at_epoch", 2],
