@@ -6,7 +6,8 @@ the launcher start without it.
 Example:
 
     >>> import distrib_tf
-    >>> strategy = distrib_tf.make_strategy()  # Reads TF_CONFIG when it is set.
+    >>> with distrib_tf.Run("runs/mine") as run:  # Reads TF_CONFIG when it is set.
+    ...     ...  # Build and compile under run.strategy.scope(); then run.fit(model, data, ...).
 """
 
 import importlib
@@ -22,6 +23,8 @@ __all__ = [
     "ClusterSpecError",
     "Task",
     "load_tf_config",
+    "Run",
+    "data",
     "make_strategy",
     "describe_strategy",
     "TrainConfig",
@@ -30,6 +33,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "Run": "distrib_tf.run",
     "make_strategy": "distrib_tf.strategy",
     "describe_strategy": "distrib_tf.strategy",
     "TrainConfig": "distrib_tf.train.config",
@@ -56,6 +60,8 @@ def log_to_stderr(level: int = logging.INFO) -> None:
 
 
 def __getattr__(name):
+    if name == "data":  # The subpackage, for `distrib_tf.data.from_arrays(...)` after `import distrib_tf`.
+        return importlib.import_module("distrib_tf.data")
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'distrib_tf' has no attribute {name!r}")

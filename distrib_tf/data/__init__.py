@@ -5,11 +5,21 @@
 - `readers`: any dataset's description (`load_info`) and its examples, read by index and
   decoded in the graph (`tfds_source` for TFDS);
 - `pipeline`: `make_dataset_fn`, the three together for `tf.distribute`;
+- `examples`: any user's data read by id (`from_arrays`, `from_source`, `from_images`,
+  `load`), and the `tf.data` escape hatch (`from_dataset_fn`): what `distrib_tf.Run` trains on;
 - `records`, `prepare`: ArrayRecord shards on disk, and `python -m distrib_tf.data prepare`.
 """
 
 from distrib_tf.data.cli import main
+from distrib_tf.data.examples import DatasetFn
+from distrib_tf.data.examples import Examples
+from distrib_tf.data.examples import from_arrays
+from distrib_tf.data.examples import from_dataset_fn
+from distrib_tf.data.examples import from_images
+from distrib_tf.data.examples import from_source
+from distrib_tf.data.examples import load
 from distrib_tf.data.pipeline import make_dataset_fn
+from distrib_tf.data.pipeline import make_examples_fn
 from distrib_tf.data.readers import check_random_access
 from distrib_tf.data.readers import load_info
 from distrib_tf.data.readers import load_source
@@ -27,13 +37,21 @@ __all__ = [
     "TEXT_SEQ_LEN",
     "TEXT_VOCAB_SIZE",
     "DataError",
+    "DatasetFn",
     "DatasetInfo",
+    "Examples",
     "check_dataset_name",
     "check_global_batch_size",
     "check_random_access",
+    "from_arrays",
+    "from_dataset_fn",
+    "from_images",
+    "from_source",
+    "load",
     "load_info",
     "load_source",
     "main",
     "make_dataset_fn",
+    "make_examples_fn",
     "steps_per_epoch",
 ]

@@ -38,20 +38,28 @@ def make_dataset_fn(info: DatasetInfo, split: str, *, global_batch_size: int, se
     order, and a pipeline reads only its own replicas' examples. Resuming at
     `start_step` starts there: nothing before it is read.
     """
-    steps = steps_per_epoch(info, split, global_batch_size)
+    return make_examples_fn(
+        f"{info.name} {split}", info.num_examples[split], lambda: readers.make_reader(info, split),
+        global_batch_size=global_batch_size, steps_per_epoch=steps_per_epoch(info, split, global_batch_size),
+        seed=seed, shuffle=split == "train", start_step=start_step)
+
+
+def make_examples_fn(name: str, num_examples: int, make_reader, *, global_batch_size: int,
+                     steps_per_epoch: int, seed: int = 0, shuffle: bool = True, start_step: int = 0):
+    """`make_dataset_fn` for any examples read by id: `make_reader()` returns `read(ids)`,
+    called once in each input pipeline (`distrib_tf.data.examples`)."""
 
     def dataset_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         replicas = input_context.num_replicas_in_sync
         pipelines, index = input_context.num_input_pipelines, input_context.input_pipeline_id
         check_global_batch_size(global_batch_size, replicas)
         ids = order.replica_batches(
-            num_examples=info.num_examples[split], steps_per_epoch=steps, global_batch_size=global_batch_size,
-            replicas=replicas, pipeline=(index, pipelines), seed=seed, shuffle=split == "train",
+            num_examples=num_examples, steps_per_epoch=steps_per_epoch, global_batch_size=global_batch_size,
+            replicas=replicas, pipeline=(index, pipelines), seed=seed, shuffle=shuffle,
             start_step=start_step)
-        dataset = ids.map(readers.make_reader(info, split), num_parallel_calls=tf.data.AUTOTUNE,
-                          deterministic=True)
-        logger.info("%s %s: input pipeline %d of %d reads its %d replica slice(s) of every global batch",
-                    info.name, split, index, pipelines, replicas // pipelines)
+        dataset = ids.map(make_reader(), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        logger.info("%s: input pipeline %d of %d reads its %d replica slice(s) of every global batch",
+                    name, index, pipelines, replicas // pipelines)
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         # Known to be endless, so that a multi-worker strategy does not all-reduce "has

@@ -19,16 +19,22 @@ halves the learning rate and goes on, at most `--max_rollbacks` times (the recov
 tensorflow/models' orbit `RecoveryCondition`); with `--on_nan=stop` it exits with
 `distrib_tf.exit_codes.NONFINITE` (65), which the launcher does not retry.
 
-Without the metric in `compile`, `StopOnNonFinite` checks the weights itself after each
-step, in a second function per step: it still works, slower.
+`attach(model)` adds the metric to a compiled model's steps without touching its compile
+configuration (what `distrib_tf.Run` does): it sees every output and every input of the
+model at once, and `model.keras` then loads with plain Keras. A model compiled with the
+metric itself works too; with several outputs Keras logs one per output
+(`{output}_nonfinite_replicas`), and any of them stops the run. Without the metric at all,
+`StopOnNonFinite` checks the weights itself after each step, in a second function per
+step: it still works, slower.
 
 Example:
 
-    >>> model.compile(..., metrics=["accuracy", NonFiniteReplicas()])
+    >>> attach(model)  # Or: model.compile(..., metrics=["accuracy", NonFiniteReplicas()])
     >>> model.fit(..., callbacks=[StopOnNonFinite(workers=["worker:0", "worker:1"])])
 """
 
 import math
+import weakref
 
 import keras
 import numpy as np
@@ -92,8 +98,39 @@ class NonFiniteReplicas(keras.metrics.Metric):
         return tf.identity(self.flags)
 
 
+_ATTACHED = weakref.WeakKeyDictionary()  # Model -> its attached metric: not an attribute, which saving walks.
+
+
+def attach(model) -> NonFiniteReplicas:
+    """Adds a `NonFiniteReplicas` to the steps of the compiled `model`, logged as
+    `nonfinite_replicas`; returns it (the model's own if it has one already).
+
+    It wraps the model's `compute_metrics` on this instance only and is not in its compile
+    configuration, so a saved model names nothing of distrib_tf. The step functions are
+    traced again on their next call.
+    """
+    found = find_metric(model)
+    if found is not None:
+        return found
+    with model.distribute_strategy.scope():  # Per-replica variables, like a compiled metric's.
+        metric = NonFiniteReplicas()
+    compute = model.compute_metrics
+
+    def compute_metrics(x, y, y_pred, sample_weight=None):
+        logs = compute(x, y, y_pred, sample_weight=sample_weight)
+        metric.update_state(y, y_pred)
+        return {**logs, METRIC: metric.result()}
+
+    object.__setattr__(model, "compute_metrics", compute_metrics)  # Past Keras's tracking.
+    _ATTACHED[model] = metric
+    model.train_function = model.test_function = None
+    return metric
+
+
 def find_metric(model) -> NonFiniteReplicas | None:
-    """The model's `NonFiniteReplicas`, among its compiled metrics, else `None`."""
+    """The model's `NonFiniteReplicas`: attached, or among its compiled metrics; else `None`."""
+    if model in _ATTACHED:
+        return _ATTACHED[model]
     stack = list(model.metrics)
     while stack:
         metric = stack.pop()
@@ -129,7 +166,8 @@ class StopOnNonFinite(keras.callbacks.Callback):
         self.step += 1
         logs = logs or {}
         if self._metric is not None:
-            flagged = float(logs.get(METRIC, 0.0)) != 0.0  # The same value on every worker.
+            # The same values on every worker; one per output where Keras applied it to each.
+            flagged = any(float(v) != 0.0 for k, v in logs.items() if k.endswith(METRIC))
         else:
             flagged = not bool(self._weights_finite())
         if math.isfinite(float(logs.get("loss", 0.0))) and not flagged:
@@ -161,8 +199,9 @@ def _per_replica(strategy, variable):
 def name_input_culprits(error: NonFiniteLoss, strategy, replica_tasks, batches) -> None:
     """Reads the failed step's input batch again (`batches` starts there) on every worker;
     names in `error` the tasks whose batch held a NaN or Inf (one all-gather)."""
-    x = next(iter(batches))[0]
-    bad = any(not np.isfinite(t.numpy()).all() for t in strategy.experimental_local_results(x))
+    x = next(iter(batches))[0]  # One tensor, or a dict or tuple of them (several inputs).
+    local = [t.numpy() for each in tf.nest.flatten(x) for t in strategy.experimental_local_results(each)]
+    bad = any(not np.isfinite(a).all() for a in local if np.issubdtype(a.dtype, np.inexact))
     rows = backup.gather_rows(strategy, np.array([int(bad)]))
     culprits = sorted({task for task, row in zip(replica_tasks, rows) if row[0]})
     if culprits:

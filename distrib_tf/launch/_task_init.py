@@ -10,8 +10,9 @@ not a module of the package: it imports nothing of distrib_tf). It
    dies the kernel kills everything left in the namespace, so a killed launcher leaves
    no grandchild behind either (`bash -c 'sleep 300 & ...'`). Both forward SIGTERM,
    SIGINT, SIGHUP and SIGUSR1/2 down to COMMAND, which handles signals as usual (not
-   as a PID 1), and this process ends as COMMAND ended: its exit code, or killed by the
-   same signal (an exit code above 128 reads as a signal);
+   as a PID 1), and this process ends as COMMAND ended: its exit code (129 to 159 too), or
+   killed by the same signal (SIGKILL included): PID 1 hands it COMMAND's wait status
+   through a pipe, since a PID 1 cannot die of a signal it sends itself;
 3. where namespaces are refused, simply becomes COMMAND (`exec`): the launcher's death
    still kills the task, not its own children;
 4. binds itself, before any of that, to the CPUs listed in `DISTRIB_TF_CPUS` ("0,1"),
@@ -59,21 +60,37 @@ def main():
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     if libc.unshare(_CLONE_NEWPID) != 0:
         os.execvp(command[0], command)
+    status_read, status_write = os.pipe()  # PID 1 tells how COMMAND ended: it cannot die of a signal itself.
     init = os.fork()  # The first child after unshare is PID 1 of the new namespace.
     if init == 0:
+        os.close(status_read)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # Dies with us; the kernel empties the namespace.
         task = os.fork()
         if task == 0:
+            os.close(status_write)
             os.execvp(command[0], command)  # PID 2: ordinary signal handling.
         status = _supervise(task, reap_all=True)
-        # PID 1 cannot die of a signal it sends itself: report it as 128 + signal.
-        os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
-    code = os.waitstatus_to_exitcode(_supervise(init, reap_all=False))
-    if code > 128 and code - 128 in signal.valid_signals():
-        signal.signal(code - 128, signal.SIG_DFL)
-        os.kill(os.getpid(), code - 128)  # End as the task ended: killed by that signal.
-    os._exit(code)
+        os.write(status_write, str(status).encode())
+        os._exit(0)
+    os.close(status_write)
+    _supervise(init, reap_all=False)
+    with os.fdopen(status_read, "rb") as f:
+        told = f.read()
+    _end_as(int(told) if told else None)
 
+
+def _end_as(status: int | None):
+    """Ends this process as COMMAND ended: its exit code (any, 129 to 159 too), or killed by
+    its signal (SIGKILL and SIGSTOP cannot be given a handler, nor need one). `None`: PID 1
+    itself was killed before it could tell (by the kernel, as the launcher died): 137."""
+    if status is None:
+        os._exit(137)
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,6 @@ import dataclasses
 import os
 import signal
 import sys
-import time
 
 from absl import app
 from absl import flags
@@ -37,8 +36,10 @@ FLAGS = flags.FLAGS
 
 def define_flags():
     """Defines the job's flags; called by the command line only, so imports define none."""
-    flags.DEFINE_string("model", "cnn", f"Model: {', '.join(MODELS)}.")
-    flags.DEFINE_string("dataset", "", "Dataset (default: the model's offline default).")
+    flags.DEFINE_string("model", "cnn", f"Model: {', '.join(MODELS)}, or package.module:function, a builder "
+                        "taking the dataset's description (distrib_tf.train.builders).")
+    flags.DEFINE_string("dataset", "", "Dataset: a registered name, array_record:DIR, images:DIR, or "
+                        "package.module:function returning the splits (default: the model's offline default).")
     flags.DEFINE_string("data_dir", None, "Where TFDS data was prepared.")
     flags.DEFINE_integer("epochs", 3, "Epochs to train.")
     flags.DEFINE_integer("global_batch_size", 64, "Batch size over all replicas.")
@@ -109,9 +110,8 @@ def main(argv):
         _fail(str(e))
     # pylint: disable=import-outside-toplevel  (TensorFlow from here on)
     from distrib_tf.data import records
-    from distrib_tf.keras import backup
-    from distrib_tf.keras import nonfinite
     from distrib_tf.keras import preemption
+    from distrib_tf.run import ending
     from distrib_tf.train import evaluator
     from distrib_tf.train.job import prepare_job
     from distrib_tf.train.job import run_job
@@ -126,67 +126,27 @@ def main(argv):
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
     except preemption.Preempted as e:
-        _preempted(str(tf_config[1]) if tf_config else "chief:0", e)
+        ending.exit_for(e, str(tf_config[1]) if tf_config else "chief:0", program="distrib-tf-train")
     if job.is_evaluator:  # It saves nothing: a SIGTERM ends it as usual.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         summary = run_job(job)
-    except backup.ResumeError as e:
-        _fail(str(e))
-    except nonfinite.NonFiniteLoss as e:
-        _fail(f"{job.task}: {e} Every worker stopped at this step.", exit_codes.NONFINITE)
-    except preemption.Preempted as e:
-        _preempted(job.task, e)
     except evaluator.EvaluatorTimeout as e:
         _fail(str(e), exit_codes.FAILED)
-    except Exception as e:  # The root cause, for the launcher; then the traceback as usual.
+    except Exception as e:  # 2, 65 and 75 with one line; else the root cause, then the traceback.
         if (message := records.data_error_in(e)) is not None:  # A shard changed after prepare.
             _fail(f"{job.task}: {message}", now=True)
-        first_line = next(iter(str(e).strip().splitlines()), "")
-        events.emit("failed", error=f"{type(e).__name__}: {first_line}")
+        ending.exit_for(e, job.task, program="distrib-tf-train")
         raise
-    if job.is_chief:
-        print(f"final accuracy {summary['final']['accuracy']:.4f} "
-              f"(chance {1 / job.info.num_classes:.4f}) on {config.dataset} test; "
+    if job.is_chief and "accuracy" in summary.get("final", {}):
+        chance = f" (chance {1 / job.info.num_classes:.4f})" if hasattr(job.info, "num_classes") else ""
+        print(f"final accuracy {summary['final']['accuracy']:.4f}{chance} on {config.dataset} test; "
+              f"summary: {os.path.join(job.model_dir, 'summary.json')}", flush=True)
+    elif job.is_chief:
+        print(f"final {summary.get('final', {})} on {config.dataset}; "
               f"summary: {os.path.join(job.model_dir, 'summary.json')}", flush=True)
     if job.strategy_name == "MultiWorkerMirroredStrategy" and not job.is_evaluator:
-        _leave_together(job)
-
-
-def _preempted(task: str, error):
-    saved = ("the backups are as they were" if error.step is None
-             else f"backed up step {error.step} like every worker")
-    print(f"{task} preempted: {saved}; start the job again to resume there "
-          f"(exit code {exit_codes.PREEMPTED})", flush=True)
-    # A task gets SIGTERM twice (its process group's, and its init's forwarded copy), and the
-    # interpreter's teardown restores SIGTERM's default, which would end it by the signal.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sys.exit(exit_codes.PREEMPTED)
-
-
-def _leave_together(job):
-    """Every training task done: the workers leave first, the chief (the coordination
-    service's host) last, so that no worker reports a coordination service that is gone.
-
-    After a barrier every task reaches only once its outputs are written, each leaves
-    without the interpreter's teardown (which would wait seconds for tf.data's threads,
-    and talk to the service while leaving): workers at once, the chief a moment later.
-    """
-    from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
-
-    try:
-        context.context().wait_at_barrier("distrib_tf_job_end", LEAVE_BARRIER_MS)
-    except Exception:  # pylint: disable=broad-except  (a peer gone: leave the usual way)
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if job.is_chief:
-        time.sleep(LEAVE_CHIEF_AFTER_SECONDS)
-    os._exit(exit_codes.OK)
-
-
-LEAVE_BARRIER_MS = 60_000
-LEAVE_CHIEF_AFTER_SECONDS = 0.5
+        ending.leave_together(job.strategy, job.is_chief)
 
 
 def run():

@@ -59,10 +59,10 @@ class TrainConfig:
         return "float64" if self.float64 else MIXED_PRECISION[self.mixed_precision]
 
     def __post_init__(self):
-        if self.model not in MODELS:
-            invalid_flag("model", self.model, f"one of {', '.join(MODELS)}")
+        if self.model not in MODELS and not _is_function_spec(self.model):
+            invalid_flag("model", self.model, f"one of {', '.join(MODELS)}, or package.module:function")
         if not self.dataset:
-            object.__setattr__(self, "dataset", DEFAULT_DATASETS[self.model])
+            object.__setattr__(self, "dataset", DEFAULT_DATASETS.get(self.model, "shapes"))
         for name in ("epochs", "global_batch_size"):
             _check_positive_int(name, getattr(self, name))
         for name in ("cpu_replicas", "steps_per_epoch", "backup_every_steps"):
@@ -158,6 +158,12 @@ class TrainConfig:
                      "backup_every_steps", "on_nan", "max_rollbacks", "profile_steps"):
             fields.pop(name)
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _is_function_spec(value) -> bool:
+    """`package.module:function`, as a user's model builder is named (`distrib_tf.train.builders`)."""
+    module, _, function = str(value).partition(":")
+    return bool(function) and function.isidentifier() and all(part.isidentifier() for part in module.split("."))
 
 
 def invalid_flag(flag, value, expected):

@@ -1,0 +1,24 @@
+"""The run API: every guarantee of distrib_tf for a user's own compiled Keras model and data.
+
+- `run`: `Run`, the strategy, the resume loop (agreed step, partial epoch, rollback), the
+  guarantees' callbacks in their order, chief outputs, the clean end;
+- `options`: `RunOptions`, checked at construction;
+- `ending`: the exit codes a scheduler reads (2, 65, 75) and leaving together;
+- `export`: `model.keras` and a SavedModel, loadable without distrib_tf;
+- `schedules`: a rollback's halved learning rate under a `LearningRateSchedule`.
+
+It sits above `distrib_tf.keras` and `distrib_tf.data`; the main job (`distrib_tf.train`)
+is its client.
+"""
+
+from distrib_tf.run.ending import InvalidRun
+from distrib_tf.run.export import export_model
+from distrib_tf.run.options import RunOptions
+from distrib_tf.run.run import Run
+
+__all__ = [
+    "InvalidRun",
+    "Run",
+    "RunOptions",
+    "export_model",
+]

@@ -1,0 +1,97 @@
+"""How a run ends: the exit code a scheduler reads, one line saying why, and leaving together.
+
+| raised in the run                     | exit code                    | a scheduler      |
+| ------------------------------------- | ---------------------------- | ---------------- |
+| `preemption.Preempted` (SIGTERM)      | 75 `PREEMPTED`, state saved  | starts it again  |
+| `nonfinite.NonFiniteLoss`             | 65 `NONFINITE`               | does not retry   |
+| `backup.ResumeError`, `InvalidRun`    | 2 `USAGE`, nothing lost      | does not retry   |
+| anything else                         | the traceback, as Python's   | may retry        |
+
+No TensorFlow at import.
+"""
+
+import os
+import signal
+import sys
+import time
+
+from distrib_tf import events
+from distrib_tf import exit_codes
+
+
+class InvalidRun(ValueError):
+    """A run's arguments, model or data cannot run as given; exit code 2."""
+
+
+def classify(error: BaseException) -> int | None:
+    """The exit code for `error`, or `None` when it is not one a scheduler acts on."""
+    # pylint: disable=import-outside-toplevel  (TensorFlow's modules: only once a run exists)
+    from distrib_tf.keras import backup
+    from distrib_tf.keras import nonfinite
+    from distrib_tf.keras import preemption
+
+    if isinstance(error, preemption.Preempted):
+        return exit_codes.PREEMPTED
+    if isinstance(error, nonfinite.NonFiniteLoss):
+        return exit_codes.NONFINITE
+    if isinstance(error, (backup.ResumeError, InvalidRun)):
+        return exit_codes.USAGE
+    return None
+
+
+def describe(error: BaseException, task: str) -> str:
+    """The one line printed for `error` (see `classify`)."""
+    code = classify(error)
+    if code == exit_codes.PREEMPTED:
+        saved = ("the backups are as they were" if error.step is None
+                 else f"backed up step {error.step} like every worker")
+        return (f"{task} preempted: {saved}; start the job again to resume there "
+                f"(exit code {exit_codes.PREEMPTED})")
+    if code == exit_codes.NONFINITE:
+        return f"{task}: {error} Every worker stopped at this step."
+    return str(error)
+
+
+def exit_for(error: BaseException, task: str, *, program: str) -> None:
+    """Prints `error`'s line, emits the `failed` event and exits with its code; returns only
+    for an error that is not one of `classify`'s (after emitting its first line)."""
+    code = classify(error)
+    if code is None:
+        first_line = next(iter(str(error).strip().splitlines()), "")
+        events.emit("failed", error=f"{type(error).__name__}: {first_line}")
+        return
+    if code == exit_codes.PREEMPTED:
+        print(describe(error, task), flush=True)
+        # A task gets SIGTERM twice (its process group's, and its init's forwarded copy), and
+        # the interpreter's teardown restores SIGTERM's default, which would end it by the signal.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        print(f"{program}: error: {describe(error, task)}", file=sys.stderr, flush=True)
+        events.emit("failed", error=describe(error, task))
+    sys.exit(code)
+
+
+LEAVE_BARRIER_MS = 60_000
+LEAVE_CHIEF_AFTER_SECONDS = 0.5
+
+
+def leave_together(strategy, is_chief: bool) -> None:
+    """Every training task done: the workers leave first, the chief (the coordination
+    service's host) last, so that no worker reports a coordination service that is gone.
+
+    After a barrier every task reaches only once its outputs are written, each leaves
+    without the interpreter's teardown (which would wait seconds for tf.data's threads,
+    and talk to the service while leaving): workers at once, the chief a moment later.
+    Returns (and the process ends the usual way) if a peer is gone.
+    """
+    from distrib_tf.keras import phases  # pylint: disable=import-outside-toplevel
+
+    try:
+        phases.enter(strategy, "job_end", LEAVE_BARRIER_MS / 1000)
+    except Exception:  # pylint: disable=broad-except  (a peer gone: leave the usual way)
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if is_chief:
+        time.sleep(LEAVE_CHIEF_AFTER_SECONDS)
+    os._exit(exit_codes.OK)

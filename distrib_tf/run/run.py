@@ -1,0 +1,397 @@
+"""`Run`: every guarantee of distrib_tf for a user's own compiled Keras model and data.
+
+A run owns the strategy and the training loop; the script stays an ordinary Keras script
+(its own model, optimizer, schedule, loss, metrics and callbacks):
+
+    with distrib_tf.Run("runs/mine", seed=0, backup_every_steps=100, on_nan="rollback") as run:
+        with run.strategy.scope():
+            model = build_my_model()
+            model.compile(optimizer=keras.optimizers.AdamW(schedule), loss="mse")
+        train = distrib_tf.data.from_arrays({"image": x, "meta": m}, y)
+        history = run.fit(model, train, epochs=5, global_batch_size=256)
+        run.save(model)
+
+What `fit` adds to Keras's own, on one device, several GPUs or several workers:
+
+- every worker backs up to its own disk (`model_dir/backup/<task>/`, at epoch ends and
+  every `backup_every_steps`), and a restarted run resumes at the step every worker
+  agrees on, mid-epoch included, on the same batches (`distrib_tf.keras.backup`,
+  `distrib_tf.data.examples`): the final weights are those of a run never interrupted;
+- SIGTERM in any phase: every worker backs up one agreed step and the run exits 75;
+- a NaN or Inf stops every worker at one step, the culprit named (exit 65), or with
+  `on_nan="rollback"` restores the last common backup and halves the learning rate (a
+  `LearningRateSchedule` too);
+- periodic sync (`sync="every:N"` or `"epoch"`) and compressed all-reduce;
+- progress events (the launcher's status line, notebooks, sweeps), chief-only
+  checkpoints, TensorBoard logs and `summary.json`, and a clean end at a barrier.
+
+The `with` block is the entry point a scheduler reads: leaving it by `Preempted` exits 75,
+by `NonFiniteLoss` 65, by a bad input or an impossible resume 2, each with one line
+(`distrib_tf.run.ending`); leaving it normally writes `summary.json`, deletes the backups
+once every worker's outputs are written, and, under several workers, ends the process
+(code 0) with every worker together. In Jupyter (no exit codes wanted) pass
+`exit_codes=False`: the errors are raised as they are.
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+import keras
+
+from distrib_tf import cluster
+from distrib_tf import events
+from distrib_tf.data import examples as examples_lib
+from distrib_tf.data import pipeline
+from distrib_tf.data import registry
+from distrib_tf.keras import backup
+from distrib_tf.keras import callbacks as callbacks_lib
+from distrib_tf.keras import local_sgd
+from distrib_tf.keras import nonfinite
+from distrib_tf.keras import phases
+from distrib_tf.keras import preemption
+from distrib_tf.keras import progress
+from distrib_tf.run import ending
+from distrib_tf.run import export
+from distrib_tf.run import schedules
+from distrib_tf.run.ending import InvalidRun
+from distrib_tf.run.options import RunOptions
+from distrib_tf.run.options import check_positive
+from distrib_tf.run.options import invalid
+from distrib_tf.strategy import make_strategy
+from distrib_tf.strategy import strategy_name
+
+
+class Run:
+    """A training run of a user's own Keras model, with every guarantee of distrib_tf.
+
+    Make it first, before any other TensorFlow call: it builds the strategy
+    (`distrib_tf.make_strategy`, which reads `TF_CONFIG`), seeds Keras, and takes SIGTERM.
+
+    Args:
+        model_dir: where the run writes: `backup/<task>/` on every worker's own disk;
+            `checkpoints/`, `logs/`, `summary.json` and the saved model by the chief.
+        seed: seeds Keras (the model's initial weights) and the data order.
+        backup_every_steps: back up every this many global steps too (default: at epoch
+            ends only); a SIGTERM backs up its own step in any case.
+        on_nan: `"stop"` (exit 65) or `"rollback"` (the last common backup, half the
+            learning rate, at most `max_rollbacks` times).
+        sync: `"step"` (all-reduce gradients every step), `"every:N"` or `"epoch"`
+            (each replica applies its own; the weights are averaged every N steps, or
+            once an epoch), with `outer_optimizer` `"average"` or `"nesterov"`.
+        allreduce_dtype: the type gradients travel in (`"bfloat16"` halves the bytes).
+        run_id: what a backup must match to be resumed; by default a digest of the
+            model's variables, its optimizer's configuration, the data, the global batch,
+            the seed and the sync mode.
+        strategy, cpu_replicas, collective_timeout: passed to `make_strategy` (`kind`,
+            `cpu_replicas`, `timeout_seconds`).
+        exit_codes: leave the `with` block by the exit codes of `distrib_tf.run.ending`
+            (default: yes, but not in Jupyter).
+
+    Example:
+
+        >>> run = Run("/tmp/mine", seed=0)
+        >>> with run.strategy.scope():
+        ...     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+        ...     model.compile(optimizer="sgd", loss="mse")
+        >>> history = run.fit(model, distrib_tf.data.from_arrays(x, y), epochs=2, global_batch_size=32)
+    """
+
+    def __init__(self, model_dir: str, *, seed: int = 0, backup_every_steps: int | None = None,
+                 on_nan: str = "stop", max_rollbacks: int = 3, sync: str = "step",
+                 outer_optimizer: str = "average", outer_learning_rate: float | None = None,
+                 outer_momentum: float | None = None, allreduce_dtype: str = "float32",
+                 run_id: str | None = None, strategy: str = "auto", cpu_replicas: int | None = None,
+                 collective_timeout: float | None = None, exit_codes: bool | None = None):
+        if not isinstance(model_dir, (str, os.PathLike)) or not str(model_dir):
+            invalid("model_dir", model_dir, "a directory path")
+        self.options = RunOptions(
+            seed=seed, backup_every_steps=backup_every_steps, on_nan=on_nan, max_rollbacks=max_rollbacks,
+            sync=sync, outer_optimizer=outer_optimizer, outer_learning_rate=outer_learning_rate,
+            outer_momentum=outer_momentum, allreduce_dtype=allreduce_dtype, run_id=run_id)
+        self.model_dir = str(model_dir)
+        self.exit_codes = (("ipykernel" not in sys.modules) if exit_codes is None else exit_codes)
+        preemption.install_sigterm_handler()  # Reclaimed from TensorFlow's once the strategy is made.
+        try:
+            self.strategy = make_strategy(strategy, cpu_replicas=cpu_replicas, timeout_seconds=collective_timeout)
+        except ValueError as e:
+            raise InvalidRun(str(e)) from e
+        preemption.reclaim_sigterm()
+        keras.utils.set_random_seed(seed)
+        self._describe_tasks()
+        self.backup_dir = os.path.join(self.model_dir, "backup", backup.task_dirname(self.task))
+        self.step = 0
+        self.summary: dict = {}  # Written by the chief as `summary.json` at the end; add to it.
+        self._fitted = self._ended = False
+        self._schedule = None  # The user's learning-rate schedule, after a rollback replaced it.
+
+    def _describe_tasks(self):
+        tf_config = cluster.load_tf_config()
+        self.strategy_name = strategy_name(self.strategy)
+        multi_worker = self.strategy_name == "MultiWorkerMirroredStrategy"
+        self.is_evaluator = tf_config is not None and tf_config[1].type == "evaluator"
+        if self.is_evaluator:
+            self.task, self.workers, self.is_chief = str(tf_config[1]), tf_config[0].num_workers, False
+            self.replica_tasks = (self.task,)
+            return
+        resolver = self.strategy.cluster_resolver if multi_worker else None
+        self.task = f"{resolver.task_type}:{resolver.task_id}" if multi_worker else "chief:0"
+        self.workers = tf_config[0].num_workers if multi_worker else 1
+        trainers = [str(t) for t in tf_config[0].tasks if t.type != "evaluator"] if multi_worker else [self.task]
+        local = self.strategy.num_replicas_in_sync // len(trainers)
+        self.replica_tasks = tuple(t for t in trainers for _ in range(local))  # The task of every replica.
+        self.is_chief = bool(self.strategy.extended.should_checkpoint)
+
+    def __repr__(self):
+        return (f"Run({self.model_dir!r}, task={self.task!r}, strategy={self.strategy_name}, "
+                f"replicas={self.strategy.num_replicas_in_sync}, step={self.step})")
+
+    # The data.
+
+    def distribute(self, data, *, global_batch_size: int, start_step: int = 0, shuffle: bool = False):
+        """`data` (an `Examples` or a `DatasetFn`) as a distributed dataset of global batches,
+        in the run's order from `start_step`: for `evaluate` and `predict` after `fit`."""
+        if isinstance(data, examples_lib.DatasetFn):
+            return self.strategy.distribute_datasets_from_function(
+                lambda context: data.fn(context).skip(start_step))
+        return self.strategy.distribute_datasets_from_function(pipeline.make_examples_fn(
+            data.name, data.num_examples, data.make_reader, global_batch_size=global_batch_size,
+            steps_per_epoch=data.steps_per_epoch(global_batch_size), seed=self.options.seed, shuffle=shuffle,
+            start_step=start_step))
+
+    # Training.
+
+    def fit(self, model, train, *, epochs: int, global_batch_size: int, steps_per_epoch: int | None = None,
+            validation_data=None, validation_steps: int | None = None, callbacks=(), verbose="auto"):
+        """`model.fit` with every guarantee; returns its `keras.callbacks.History`.
+
+        Args:
+            model: a compiled Keras model, built under `run.strategy.scope()`.
+            train: an `Examples` (`distrib_tf.data.from_arrays`, `from_source`,
+                `from_images`, `load`) or a `DatasetFn` (`from_dataset_fn`: inexact resume).
+            epochs: epochs in all, counting those a resumed run already trained.
+            global_batch_size: over all replicas; a multiple of their number.
+            steps_per_epoch: default: one pass over `train`.
+            validation_data: `Examples` evaluated at every epoch end, in order, in full
+                global batches; `validation_steps` to take fewer.
+            callbacks: the user's own, called after distrib_tf's (a step that stops for
+                a NaN or a preemption reaches none of them). A resumed or rolled-back run
+                calls `on_train_begin` again.
+            verbose: Keras's, on the chief; other workers print one line an epoch.
+
+        Raises:
+            InvalidRun: the model, the data or a number cannot run (exit code 2).
+            backup.ResumeError: the workers' backups give no common step (exit code 2).
+            preemption.Preempted, nonfinite.NonFiniteLoss: see `distrib_tf.run.ending`.
+        """
+        if self._fitted:
+            raise InvalidRun("Run.fit was called twice. Expected one fit per Run: make a new Run, "
+                             "with another model_dir, for another training.")
+        if self.is_evaluator:
+            raise InvalidRun(f"Run.fit on {self.task}. Expected a training task: an evaluator trains nothing.")
+        self._check_model(model)
+        check_positive("epochs", epochs, optional=False)
+        check_positive("steps_per_epoch", steps_per_epoch)
+        check_positive("validation_steps", validation_steps)
+        for name, value in (("train", train), ("validation_data", validation_data)):
+            if value is not None and not isinstance(value, (examples_lib.Examples, examples_lib.DatasetFn)):
+                invalid(name, type(value).__name__, "distrib_tf.data examples (from_arrays, from_source, "
+                         "from_images, load) or from_dataset_fn(...)")
+        try:
+            replicas = self.strategy.num_replicas_in_sync
+            registry.check_global_batch_size(global_batch_size, replicas)
+            steps = steps_per_epoch or train.steps_per_epoch(global_batch_size)
+            if isinstance(train, examples_lib.Examples) and steps * global_batch_size > train.num_examples:
+                invalid("steps_per_epoch", steps, f"at most {train.num_examples // global_batch_size} steps "
+                         f"of {global_batch_size} in the {train.num_examples} examples of {train.name}")
+            val_steps = None
+            if validation_data is not None:
+                val_steps = validation_steps or validation_data.steps_per_epoch(global_batch_size)
+        except InvalidRun:
+            raise
+        except ValueError as e:
+            raise InvalidRun(str(e)) from e
+        self._fitted = True
+        self.global_batch_size, self.steps_per_epoch, self.epochs = global_batch_size, steps, epochs
+        options = self.options
+        nonfinite.attach(model)
+        local_sgd.compress_gradients(model.optimizer, options.allreduce_dtype)
+        run_id = options.run_id or self._identity(model, train, global_batch_size, steps)
+        self.run_id = run_id
+        with preemption.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.
+            if self.is_chief:
+                os.makedirs(self.model_dir, mode=0o700, exist_ok=True)
+            start_step = backup.agree_on_resume(model, self.backup_dir, run=run_id, task=self.task)
+        if start_step:
+            print(f"{self.task} resumes at step {start_step} (epoch {start_step // steps + 1}, "
+                  f"step {start_step % steps} of it) from {self.backup_dir}", flush=True)
+        self.resumed_at_step = start_step
+        worker_backup = backup.WorkerBackup(self.backup_dir, run=run_id, task=self.task, steps_per_epoch=steps,
+                                            every_steps=options.backup_every_steps)
+        timer = callbacks_lib.EpochTimer(steps * global_batch_size)
+        every = options.sync_every()
+        name, rate, momentum = options.outer()
+        periodic = [] if every is None else [local_sgd.PeriodicSync(
+            self.strategy, every or steps, outer=name, outer_learning_rate=rate, outer_momentum=momentum)]
+        ours = [
+            timer, *periodic,
+            nonfinite.StopOnNonFinite(workers=list(self.replica_tasks), steps_per_epoch=steps),
+            worker_backup, preemption.SaveOnPreemption(worker_backup),  # Checked, then backed up.
+            progress.Progress(task=self.task, workers=list(self.replica_tasks), epochs=epochs,
+                              steps_per_epoch=steps, global_batch_size=global_batch_size),
+            callbacks_lib.ChiefCheckpoint(self.model_dir, run_id),
+            keras.callbacks.TensorBoard(os.path.join(self.model_dir, "logs"), write_graph=False),
+        ]
+        if not self.is_chief:
+            ours.append(callbacks_lib.EpochLine(self.task, epochs))
+        every_callback = ours + list(callbacks or ())
+        if verbose == "auto":
+            verbose = (1 if sys.stdout.isatty() else 2) if self.is_chief else 0
+        validation = None if validation_data is None else self.distribute(
+            validation_data, global_batch_size=global_batch_size)
+        history, epochs_done, rollbacks = {}, [], []
+        step, last_step = start_step, epochs * steps
+        while step < last_step:
+            epoch, done = divmod(step, steps)
+            until = epoch + 1 if done else epochs  # A partial epoch alone, then the rest.
+            try:
+                fitted = model.fit(
+                    self.distribute(train, global_batch_size=global_batch_size, start_step=step, shuffle=True),
+                    initial_epoch=epoch, epochs=until, steps_per_epoch=steps - done,
+                    validation_data=validation, validation_steps=val_steps,
+                    callbacks=every_callback, verbose=verbose, shuffle=False,  # The pipeline shuffles.
+                )
+            except nonfinite.NonFiniteLoss as e:
+                if isinstance(train, examples_lib.Examples):
+                    nonfinite.name_input_culprits(e, self.strategy, self.replica_tasks, self.distribute(
+                        train, global_batch_size=global_batch_size, start_step=e.step - 1, shuffle=True))
+                if options.on_nan == "stop" or len(rollbacks) == options.max_rollbacks:
+                    self.step = e.step
+                    raise
+                step = self._roll_back(model, e)
+                rollbacks.append({"at_step": e.step, "to_step": step,
+                                  "learning_rate": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))})
+                worker_backup.saved_step = None
+                continue
+            for key, values in fitted.history.items():
+                history.setdefault(key, []).extend(values)
+            epochs_done += fitted.epoch
+            step = until * steps
+        self.step = step
+        self.summary.update({
+            "run_id": run_id,
+            "strategy": self.strategy_name,
+            "workers": self.workers,
+            "replicas": self.strategy.num_replicas_in_sync,
+            "resumed_at_step": start_step,
+            "rollbacks": rollbacks,
+            "epochs": [{"epoch": e + 1, **{k: float(v[i]) for k, v in history.items()}}
+                       for i, e in enumerate(epochs_done)],
+            "examples_per_second": _steady_rate(timer.seconds, timer.examples_per_epoch),
+            "first_step_unix_time": timer.first_step_at,
+            "epoch_end_unix_times": timer.ended_at, "epoch_step_seconds": timer.seconds,
+            "weights_sha256": export.weights_fingerprint(model),
+            "periodic_sync": {"syncs": periodic[0].syncs, "bytes_per_worker": periodic[0].bytes_per_worker}
+            if periodic else None,
+        })
+        result = keras.callbacks.History()
+        result.set_model(model)
+        result.history, result.epoch = history, epochs_done
+        result.params = {"epochs": epochs, "steps": steps, "verbose": verbose}
+        return result
+
+    def _check_model(self, model):
+        if not isinstance(model, keras.Model):
+            invalid("model", type(model).__name__, "a keras.Model")
+        if not model.compiled:
+            raise InvalidRun("Invalid value for argument `model`: it is not compiled. Expected "
+                             "`model.compile(optimizer=..., loss=...)` under `run.strategy.scope()` first.")
+        if model.distribute_strategy is not self.strategy:
+            raise InvalidRun("Invalid value for argument `model`: it was built outside `run.strategy.scope()`. "
+                             "Expected it built and compiled under `with run.strategy.scope():`.")
+
+    def _identity(self, model, train, global_batch_size: int, steps: int) -> str:
+        """What a backup must match to be resumed: whatever changes the arithmetic."""
+        config = model.optimizer.get_config()
+        config.pop("name", None)
+        described = {
+            "variables": [(v.path, tuple(v.shape), str(v.dtype)) for v in model.variables],
+            "optimizer": [type(model.optimizer).__name__, config],
+            "data": getattr(train, "fingerprint", "") or train.name, "global_batch_size": global_batch_size,
+            "steps_per_epoch": steps, "seed": self.options.seed, "sync": self.options.sync,
+            "outer": self.options.outer(), "allreduce_dtype": self.options.allreduce_dtype,
+        }
+        return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def _roll_back(self, model, error) -> int:
+        """Restores the last backup every worker holds and halves the learning rate."""
+        optimizer = model.optimizer
+        rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate)) / 2  # Before the backup restores it.
+        step = backup.agree_on_resume(model, self.backup_dir, run=self.run_id, task=self.task, include_start=True)
+        schedule = schedules.schedule_of(optimizer)
+        if schedule is None:
+            optimizer.learning_rate = rate
+        else:  # Traced into the step: the step functions are traced again with the new one.
+            if self._schedule is None:
+                self._schedule = schedule
+            optimizer.learning_rate = schedules.Scaled.halving(schedule)
+            model.train_function = model.test_function = None
+        print(f"{self.task} {error} Rolled back to step {step}; learning rate halved to "
+              f"{float(keras.ops.convert_to_numpy(optimizer.learning_rate)):.3g}.", flush=True)
+        return step
+
+    # Outputs and the end.
+
+    def outputs(self):
+        """A context for the chief's outputs after `fit`: a SIGTERM inside exits 75 at once
+        (every worker's backup holds the last step; a restart writes them again)."""
+        return preemption.saved(self.step)
+
+    def save(self, model) -> str | None:
+        """The chief writes `model.keras` and `serving/` under `model_dir`
+        (`distrib_tf.run.export`); returns the `.keras` path there, `None` elsewhere."""
+        with self.outputs():
+            if not self.is_chief:
+                return None
+            with schedules.plain(model.optimizer, self._schedule):
+                return export.export_model(model, self.model_dir)[0]
+
+    def end(self) -> None:
+        """The clean end, on every worker: the chief writes `summary.json`; once every
+        worker is here the backups go and a `finished` event is emitted. Called on leaving
+        the `with` block; idempotent."""
+        if self._ended or not self._fitted:
+            return
+        self._ended = True
+        path = os.path.join(self.model_dir, "summary.json")
+        if self.is_chief:
+            with self.outputs():
+                backup.write_json_atomically(path, self.summary)
+        # Backups go only once the chief's outputs are written: every worker meets here first,
+        # at a barrier (an export may take longer than a collective timeout). A job killed
+        # before this resumes at its last step on every worker and writes them again.
+        phases.enter(self.strategy, "outputs_written")
+        backup.remove_backups(self.backup_dir)
+        events.emit("finished", final=self.summary.get("final"), summary=path if self.is_chief else None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if error is None:
+            self.end()
+            if self._fitted and self.exit_codes and phases.is_multi_worker(self.strategy):
+                ending.leave_together(self.strategy, self.is_chief)
+            return False
+        if self.exit_codes and isinstance(error, Exception):
+            program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else "python"
+            ending.exit_for(error, self.task, program=program)
+        return False
+
+
+def _steady_rate(seconds: list[float], examples: int) -> float | None:
+    """Examples per second, leaving out the first epoch (tracing) when there are others."""
+    steady = seconds[1:] or seconds
+    return examples * len(steady) / sum(steady) if steady else None
+

@@ -1,0 +1,163 @@
+"""The run API for a user's own script (tests/workers/my_script.py), not the main job: a
+functional model with two inputs and two outputs, AdamW under a schedule, a callback of its
+own, data from arrays with a float target, on 2 real workers.
+
+The preemption test gives each worker its own disk: a directory of its own bind-mounted at
+`model_dir` in a mount namespace of its own (root only; `.ci/run` makes it required with
+`DISTRIB_TF_REQUIRE_NETNS=1`), so no worker can read what another wrote.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from cluster_runner import QUIET_TF
+from cluster_runner import local_spec
+from cluster_runner import run_cluster
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+SCRIPT = os.path.join(ROOT, "tests", "workers", "my_script.py")
+ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
+LAUNCH = [sys.executable, "-m", "distrib_tf.launch", "--workers=2"]
+STEPS = 48  # 3 epochs of 16 steps (tests/workers/my_script.py).
+
+pytestmark = pytest.mark.multiworker
+
+
+def _fingerprints(text):
+    return dict(re.findall(r"(worker:\d) final weights sha256 (\w+)", text))
+
+
+def _launch(*args, extra=(), timeout=300):
+    result = subprocess.run([*LAUNCH, *extra, "--", sys.executable, SCRIPT, *map(str, args)], env=ENV,
+                            capture_output=True, text=True, timeout=timeout)
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final weights of the run never interrupted, as each worker's process computed them."""
+    model_dir = tmp_path_factory.mktemp("uninterrupted")
+    code, text = _launch(f"--model_dir={model_dir}")
+    assert code == 0, text[-3000:]
+    weights = _fingerprints(text)
+    assert sorted(weights) == ["worker:0", "worker:1"] and len(set(weights.values())) == 1, text[-3000:]
+    return weights["worker:0"]
+
+
+def _own_disks_cluster(tmp_path, disks, model_dir, args, timeout=300):
+    """One process per task, each seeing only its own disk at `model_dir`."""
+    spec = local_spec(2).with_free_ports()
+    procs = []
+    for task, disk in zip(spec.tasks, disks):
+        mount = f'mount --bind {disk} {model_dir} && exec "$@"'
+        procs.append(subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "bash", "-c", mount, "bash",
+             sys.executable, SCRIPT, f"--model_dir={model_dir}", *args],
+            env={**ENV, "TF_CONFIG": spec.tf_config(task)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    return [p.returncode for p in procs], outputs
+
+
+def test_preempted_at_a_random_step_on_own_disks_resumes_to_bit_identical_weights(tmp_path, uninterrupted):
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        if os.environ.get("DISTRIB_TF_REQUIRE_NETNS"):
+            pytest.fail("needs root and unshare for a disk per worker")
+        pytest.skip("needs root and unshare for a disk per worker")
+    model_dir = tmp_path / "run"
+    disks = [tmp_path / f"disk{i}" for i in range(2)]
+    for directory in (model_dir, *disks):
+        directory.mkdir()
+    step = random.Random().randrange(2, STEPS - 4)  # Drawn anew each run; printed below.
+    codes, texts = _own_disks_cluster(tmp_path, disks, model_dir, [f"--sigterm_at_step={step}"])
+    assert codes == [75, 75], (step, [t[-2000:] for t in texts])
+    saved = {int(s) for t in texts for s in re.findall(r"preempted: backed up step (\d+) like every worker", t)}
+    assert len(saved) == 1, (step, saved)  # One step, agreed by both.
+    saved_step = saved.pop()
+    assert step <= saved_step <= step + 2, (step, saved_step)
+    codes, texts = _own_disks_cluster(tmp_path, disks, model_dir, [])
+    assert codes == [0, 0], [t[-3000:] for t in texts]
+    for text in texts:
+        assert re.search(rf"worker:\d resumes at step {saved_step} ", text), text[-3000:]
+    weights = [_fingerprints(text) for text in texts]
+    assert weights == [{"worker:0": uninterrupted}, {"worker:1": uninterrupted}], weights  # Bit-identical.
+    # The chief's outputs on its own disk only; every backup gone once the run ended.
+    assert (disks[0] / "summary.json").exists() and (disks[0] / "model.keras").exists()
+    assert not (disks[1] / "model.keras").exists() and not (disks[1] / "backup").exists()
+    summary = json.loads((disks[0] / "summary.json").read_text())
+    assert summary["resumed_at_step"] == saved_step and summary["weights_sha256"] == uninterrupted
+    print(f"user script: SIGTERM after step {step}, both backed up step {saved_step} on their own disks, "
+          f"resumed: final weights bit-identical to the uninterrupted run ({uninterrupted})")
+
+
+def test_a_worker_killed_restarts_to_the_same_weights(tmp_path, uninterrupted):
+    step = random.Random().randrange(6, STEPS - 4)
+    code, text = _launch(f"--model_dir={tmp_path / 'run'}", f"--kill_at_step={step}",
+                         f"--kill_marker={tmp_path / 'killed'}", extra=["--max_restarts=1", "--grace_period=5"])
+    assert code == 0, (step, text[-3000:])
+    assert "worker:1 was killed by SIGKILL" in text, text[-3000:]
+    resumed = {int(s) for s in re.findall(r"worker:\d resumes at step (\d+)", text)}
+    assert len(resumed) == 1 and 0 < resumed.pop() <= step, (step, text[-3000:])  # A backup every 5 steps.
+    assert set(_fingerprints(text).values()) == {uninterrupted}, (step, text[-3000:])
+
+
+def _error_lines(text):
+    return [line for line in text.splitlines() if ": error: " in line]
+
+
+def test_an_inf_in_one_workers_batch_stops_both_at_one_step_naming_it(tmp_path):
+    results = run_cluster([SCRIPT, f"--model_dir={tmp_path / 'run'}", "--inf_at_step=7"], spec=local_spec(2),
+                          env={"PYTHONPATH": ROOT}, timeout=240)
+    expected = ("Non-finite loss or gradient at step 7 (epoch 1); NaN or Inf first seen in the input batch of "
+                "worker:1. Every worker stopped at this step.")
+    for result in results:
+        assert result.returncode == 65, (result.task, result.output[-3000:])
+        lines = _error_lines(result.output)
+        assert len(lines) == 1 and expected in lines[0], result.output[-3000:]
+        assert "Traceback" not in result.output
+
+
+def test_rollback_under_a_schedule_goes_on(tmp_path):
+    """An Inf read once (a bad read): the run rolls back to step 10, halves the scheduled
+    learning rate and finishes, with the same weights on both workers."""
+    results = run_cluster([SCRIPT, f"--model_dir={tmp_path / 'run'}", "--inf_at_step=12", "--flaky",
+                           "--on_nan=rollback", f"--out={tmp_path / 'out'}"], spec=local_spec(2),
+                          env={"PYTHONPATH": ROOT}, timeout=240)
+    for result in results:
+        assert result.returncode == 0, (result.task, result.output[-3000:])
+        rolled = [line for line in result.output.splitlines() if "Rolled back to step" in line]
+        assert len(rolled) == 1 and "Non-finite loss or gradient at step 12" in rolled[0], result.output[-3000:]
+        assert "Rolled back to step 10; learning rate halved to" in rolled[0]
+    seen = [json.loads((tmp_path / "out" / f"worker_{i}.json").read_text()) for i in (0, 1)]
+    assert seen[0]["weights"] == seen[1]["weights"]
+    assert [r["at_step"] for r in seen[0]["rollbacks"]] == [12] and seen[0]["epochs_seen"] == [1, 2, 3]
+
+
+def test_the_main_job_runs_a_users_model_and_data_by_name(tmp_path):
+    """`--model=package.module:function` and `--dataset=package.module:function` under the launcher."""
+    model_dir = tmp_path / "run"
+    result = subprocess.run(
+        [*LAUNCH, "--", sys.executable, "-m", "distrib_tf.train", "--model=tests.workers.my_models:build",
+         "--dataset=tests.workers.my_models:splits", "--epochs=2", "--backup_every_steps=5",
+         f"--model_dir={model_dir}"], env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    summary = json.loads((model_dir / "summary.json").read_text())
+    assert summary["workers"] == 2 and [e["epoch"] for e in summary["epochs"]] == [1, 2]
+    assert {"value_mae", "kind_accuracy"} <= set(summary["final"]), summary["final"]
+    assert summary["epochs"][1]["value_loss"] < summary["epochs"][0]["value_loss"]  # It trains.
+    assert len(set(_fingerprints(result.stdout).values())) == 1

@@ -1,0 +1,123 @@
+"""The run API in one process: any data of a user's, `fit` returning a History, `evaluate` and
+`predict` after it, the saved model loaded by plain Keras, bad input in one line, exit 2."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import distrib_tf
+from distrib_tf.run import InvalidRun
+from distrib_tf.run import schedules
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(ROOT, "tests", "workers"))
+import my_models  # noqa: E402  pylint: disable=wrong-import-position
+
+
+@pytest.fixture(autouse=True)
+def _sigterm_as_it_was():
+    """A Run takes SIGTERM (exit 75 from its `with` block): give pytest's back afterwards."""
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, handler)
+
+
+def test_fit_on_arrays_with_two_inputs_returns_a_history_and_the_model_loads_with_plain_keras(tmp_path):
+    run = distrib_tf.Run(tmp_path / "run", seed=0, backup_every_steps=4, exit_codes=False)
+    with run.strategy.scope():
+        model = my_models.build(total_steps=32)
+    x, y = my_models.arrays(256)
+    train = distrib_tf.data.from_arrays(x, y)
+    history = run.fit(model, train, epochs=2, global_batch_size=16,
+                      validation_data=distrib_tf.data.from_arrays(*my_models.arrays(64, seed=1)), verbose=0)
+    assert isinstance(history, keras.callbacks.History) and history.epoch == [0, 1]
+    assert len(history.history["value_loss"]) == 2 and history.history["val_loss"][1] > 0
+    assert history.history["value_loss"][1] < history.history["value_loss"][0]  # It trains.
+    assert [w.dtype for w in model.get_weights()] == ["float32"] * len(model.get_weights())
+    evaluated = model.evaluate(run.distribute(train, global_batch_size=16), steps=4, return_dict=True, verbose=0)
+    assert np.isfinite(evaluated["loss"])
+    predicted = model.predict({k: v[:5] for k, v in x.items()}, verbose=0)
+    assert predicted["value"].shape == (5, 1) and predicted["kind"].shape == (5, my_models.KINDS)
+    path = run.save(model)
+    run.end()
+    assert not (tmp_path / "run" / "backup").exists()
+    assert (tmp_path / "run" / "summary.json").exists()
+    code = ("import sys, keras, numpy as np; m = keras.models.load_model(sys.argv[1]); "
+            "assert not [n for n in sys.modules if n.startswith('distrib_tf')]; "
+            "print(m.predict({'features': np.zeros((1, 6)), 'meta': np.zeros((1, 3))}, verbose=0)['value'].shape)")
+    loaded = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert loaded.returncode == 0 and "(1, 1)" in loaded.stdout, loaded.stderr[-3000:]
+
+
+def test_any_random_access_source_an_image_folder_and_the_tf_data_hatch(tmp_path):
+    rows = [(np.full((3,), i, np.float32), np.float32(i) / 10) for i in range(40)]
+    source = distrib_tf.data.from_source(rows)
+    x, y = source.make_reader()(tf.constant([3, 1], tf.int64))
+    np.testing.assert_array_equal(x.numpy()[:, 0], [3, 1])
+    np.testing.assert_allclose(y.numpy(), [0.3, 0.1])  # A float target stays float.
+    for label, color in enumerate([(255, 0, 0), (0, 0, 255)]):
+        folder = tmp_path / "images" / f"class{label}"
+        folder.mkdir(parents=True)
+        for i in range(3):
+            image = np.zeros((10, 12, 3), np.uint8) + np.array(color, np.uint8)
+            (folder / f"{i}.png").write_bytes(tf.io.encode_png(image).numpy())
+    images = distrib_tf.data.load(f"images:{tmp_path / 'images'}")
+    x, y = images.make_reader()(tf.constant([0, 5], tf.int64))
+    assert x.shape == (2, 28, 28, 3) and list(y.numpy()) == [0, 1] and images.info.num_classes == 2
+    assert x.numpy()[0, 0, 0, 0] == pytest.approx(1.0) and x.numpy()[1, 0, 0, 2] == pytest.approx(1.0)
+    run = distrib_tf.Run(tmp_path / "run", exit_codes=False)
+    with run.strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    hatch = distrib_tf.data.from_dataset_fn(
+        lambda context: tf.data.Dataset.from_tensor_slices((np.ones((8, 3)), np.ones((8,)))).batch(4).repeat(),
+        steps_per_epoch=2)
+    assert run.fit(model, hatch, epochs=1, global_batch_size=4, verbose=0).epoch == [0]
+
+
+@pytest.mark.parametrize("arguments, error", [
+    ({"on_nan": "skip"}, "Invalid value for argument `on_nan`. Received: on_nan='skip'. Expected one of stop, "
+                         "rollback."),
+    ({"sync": "every:0"}, "Invalid value for argument `sync`. Received: sync='every:0'."),
+    ({"backup_every_steps": 0}, "Invalid value for argument `backup_every_steps`. Received: backup_every_steps=0."),
+])
+def test_bad_run_arguments_are_one_line(tmp_path, arguments, error):
+    with pytest.raises(InvalidRun) as raised:
+        distrib_tf.Run(tmp_path, exit_codes=False, **arguments)
+    assert error in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_batch_that_the_replicas_do_not_divide_exits_2_with_one_line(tmp_path):
+    script = (
+        "import keras, numpy as np, distrib_tf\n"
+        f"with distrib_tf.Run({str(tmp_path / 'run')!r}, cpu_replicas=3) as run:\n"
+        "    with run.strategy.scope():\n"
+        "        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
+        "        model.compile(optimizer='sgd', loss='mse')\n"
+        "    run.fit(model, distrib_tf.data.from_arrays(np.ones((64, 2)), np.ones(64)), epochs=1,"
+        " global_batch_size=64)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT})
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if ": error: " in line]
+    assert errors == ["python: error: Invalid value for `--global_batch_size`. Received: 64. Expected a multiple of "
+                      "the 3 replicas, such as 63."], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()  # Nothing written.
+
+
+def test_a_halved_schedule_keeps_its_shape_and_serializes():
+    schedule = keras.optimizers.schedules.CosineDecay(1e-3, decay_steps=100)
+    halved = schedules.Scaled.halving(schedules.Scaled.halving(schedule))
+    assert float(halved(50)) == pytest.approx(float(schedule(50)) / 4)
+    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(halved))
+    assert float(again(50)) == pytest.approx(float(halved(50)))
+    optimizer = keras.optimizers.AdamW(schedule)
+    assert isinstance(schedules.schedule_of(optimizer), keras.optimizers.schedules.CosineDecay)
+    assert schedules.schedule_of(keras.optimizers.Adam(1e-3)) is None
