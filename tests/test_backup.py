@@ -133,3 +133,28 @@ def test_decide_refuses_backups_that_do_not_agree(rows, error):
     with pytest.raises(backup.ResumeError) as raised:
         backup.decide(np.array(rows))
     assert error in str(raised.value)
+
+
+def test_a_layout_without_the_tasks_that_wrote_the_backups_resumes_from_theirs(tmp_path):
+    """Two workers backed up, then one process (chief:0) starts: it resumes from their step
+    instead of from 0. A task of the layout reports its own, even an empty one (a grow)."""
+    for task in ("worker:0", "worker:1"):
+        callback = backup.WorkerBackup(str(tmp_path / backup.task_dirname(task)), run="run-a", task=task,
+                                       steps_per_epoch=10, every_steps=5)
+        callback.set_model(_model())
+        for step in (5, 10):
+            callback.step = step
+            callback.save()
+    other = backup.WorkerBackup(str(tmp_path / "worker-2"), run="run-b", task="worker:2", steps_per_epoch=10)
+    other.set_model(_model())
+    other.step = 20
+    other.save()  # Another run's, with a later step: never taken for this one.
+    assert backup.resume_source(str(tmp_path / "chief-0"), run="run-a", tasks=["chief:0"]) == str(tmp_path / "worker-0")
+    two = ["worker:0", "worker:1"]
+    assert backup.resume_source(str(tmp_path / "worker-1"), run="run-a", tasks=two) == str(tmp_path / "worker-1")
+    grown = [*two, "worker:3"]
+    assert backup.resume_source(str(tmp_path / "worker-3"), run="run-a", tasks=grown) == str(tmp_path / "worker-3")
+    restored = _model()
+    assert backup.agree_on_resume(restored, str(tmp_path / "worker-0"), run="run-a", task="chief:0") == 10
+    backup.remove_gone(str(tmp_path / "chief-0"), run="run-a", tasks=["chief:0"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["worker-2"]  # Only the other run's is left.

@@ -18,8 +18,11 @@ import sys
 import pytest
 
 from cluster_runner import QUIET_TF
+from cluster_runner import checkpoint_arrays
 from cluster_runner import local_spec
 from cluster_runner import run_cluster
+from cluster_runner import run_single
+from cluster_runner import weights_difference
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 SCRIPT = os.path.join(ROOT, "tests", "workers", "my_script.py")
@@ -48,6 +51,7 @@ def uninterrupted(tmp_path_factory):
     assert code == 0, text[-3000:]
     weights = _fingerprints(text)
     assert sorted(weights) == ["worker:0", "worker:1"] and len(set(weights.values())) == 1, text[-3000:]
+    pytest.uninterrupted_dir = model_dir  # Its chief's last checkpoint, for the layout test.
     return weights["worker:0"]
 
 
@@ -161,3 +165,23 @@ def test_the_main_job_runs_a_users_model_and_data_by_name(tmp_path):
     assert {"value_mae", "kind_accuracy"} <= set(summary["final"]), summary["final"]
     assert summary["epochs"][1]["value_loss"] < summary["epochs"][0]["value_loss"]  # It trains.
     assert len(set(_fingerprints(result.stdout).values())) == 1
+
+
+def test_preempted_on_two_workers_resumes_on_one_process_where_the_uninterrupted_run_ends(tmp_path, uninterrupted):
+    """Issue 32's first case: `--workers=1` on a directory that 2 workers wrote started
+    again from step 0 without a word. The single process resumes from a gone task's backup;
+    the arithmetic of 1 replica against 2 differs only by float64 rounding."""
+    model_dir = tmp_path / "run"
+    code, text = _launch(f"--model_dir={model_dir}", "--sigterm_at_step=20")
+    assert code == 75, text[-3000:]
+    step = int(re.search(r"preempted: backed up step (\d+)", text).group(1))
+    single = run_single([SCRIPT, f"--model_dir={model_dir}"], env={"PYTHONPATH": ROOT}, timeout=240)
+    assert single.returncode == 0, single.output[-3000:]
+    assert f"chief:0 resumes at step {step} " in single.output, single.output[-3000:]
+    difference = weights_difference(
+        checkpoint_arrays(model_dir / "checkpoints" / "epoch003.weights.h5"),
+        checkpoint_arrays(pytest.uninterrupted_dir / "checkpoints" / "epoch003.weights.h5"))
+    print(f"2 workers preempted at step {step}, resumed on 1 process: weights {difference:.2g} (relative L2) "
+          "from the uninterrupted 2-worker run")
+    assert difference <= 1e-10  # The layout test's float64 bound (tests/test_train.py, LAYOUT_CASES).
+    assert not (model_dir / "backup").exists()  # The gone tasks' backups went at the end.

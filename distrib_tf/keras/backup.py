@@ -23,6 +23,12 @@ all-gather, before training) and every worker takes the same decision:
 - otherwise (one holds none, another run's, or no step in common): a `ResumeError`
   naming the worker and what it holds, raised on every worker alike, so none hangs.
 
+On another layout (`resume_source`): a worker whose own directory is empty reads the
+backups beside it of a task the layout no longer has, so a job preempted on 2 workers
+resumes on 1 process, or on fewer workers, over the disk they wrote; the state (the step,
+the weights, the optimizer's slots) is the same whatever the layout. A worker added on a
+disk of its own still holds none: that is a `ResumeError`, never a silent start at 0.
+
 Example:
 
     >>> callback = WorkerBackup("/tmp/run/backup/worker-0", run="3fa2c1", task="worker:0",
@@ -195,6 +201,40 @@ def remove_backups(directory: str) -> None:
             os.rmdir(folder)
         except OSError:  # Not empty (another worker's backups on a shared disk), or gone.
             return
+
+
+def resume_source(directory: str, *, run: str, tasks) -> str:
+    """Where this worker resumes from: its own `directory`, or, when that holds no backup,
+    the newest of this run's backups beside it of a task that is not in `tasks` (the
+    layout's training tasks): a job resumed on fewer workers, or on one process, over a
+    disk that the gone tasks wrote to. Those backups are read, never written or pruned.
+
+    Example:
+
+        >>> resume_source("runs/x/backup/chief-0", run="3fa2c1", tasks=["chief:0"])
+        'runs/x/backup/worker-0'
+    """
+    if list_backups(directory):
+        return directory
+    parent, present = os.path.dirname(directory), {task_dirname(t) for t in tasks}
+    best, newest = directory, -1
+    for other in sorted(glob.glob(os.path.join(glob.escape(parent), "*"))):
+        if os.path.basename(other) in present or not os.path.isdir(other):
+            continue
+        ours = [b for b in list_backups(other) if b.get("run") == run]
+        if ours and ours[-1]["step"] > newest:
+            best, newest = other, ours[-1]["step"]
+    return best
+
+
+def remove_gone(directory: str, *, run: str, tasks) -> None:
+    """At a run's end: deletes the backups beside `directory` of this run's tasks that the
+    layout no longer has (`resume_source`), leaving any other run's alone."""
+    present = {task_dirname(t) for t in tasks}
+    for other in glob.glob(os.path.join(glob.escape(os.path.dirname(directory)), "*")):
+        held = list_backups(other) if os.path.isdir(other) else []
+        if os.path.basename(other) not in present and held and all(b.get("run") == run for b in held):
+            remove_backups(other)
 
 
 def _describe_local(directory: str, run: str, task: str) -> np.ndarray:

@@ -124,6 +124,7 @@ class Run:
         self.step = 0
         self.summary: dict = {}  # Written by the chief as `summary.json` at the end; add to it.
         self._fitted = self._ended = False
+        self._source = self.backup_dir  # Where fit resumed from (`backup.resume_source`).
         self._schedule = None  # The user's learning-rate schedule, after a rollback replaced it.
 
     def _describe_tasks(self):
@@ -222,10 +223,12 @@ class Run:
         with preemption.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.
             if self.is_chief:
                 os.makedirs(self.model_dir, mode=0o700, exist_ok=True)
-            start_step = backup.agree_on_resume(model, self.backup_dir, run=run_id, task=self.task)
+            source = self._source = backup.resume_source(self.backup_dir, run=run_id, tasks=self.replica_tasks)
+            start_step = backup.agree_on_resume(model, source, run=run_id, task=self.task)
         if start_step:
+            moved = "" if source == self.backup_dir else " (a task this layout does not have)"
             print(f"{self.task} resumes at step {start_step} (epoch {start_step // steps + 1}, "
-                  f"step {start_step % steps} of it) from {self.backup_dir}", flush=True)
+                  f"step {start_step % steps} of it) from {source}{moved}", flush=True)
         self.resumed_at_step = start_step
         worker_backup = backup.WorkerBackup(self.backup_dir, run=run_id, task=self.task, steps_per_epoch=steps,
                                             every_steps=options.backup_every_steps)
@@ -328,7 +331,8 @@ class Run:
         """Restores the last backup every worker holds and halves the learning rate."""
         optimizer = model.optimizer
         rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate)) / 2  # Before the backup restores it.
-        step = backup.agree_on_resume(model, self.backup_dir, run=self.run_id, task=self.task, include_start=True)
+        source = backup.resume_source(self.backup_dir, run=self.run_id, tasks=self.replica_tasks)
+        step = backup.agree_on_resume(model, source, run=self.run_id, task=self.task, include_start=True)
         schedule = schedules.schedule_of(optimizer)
         if schedule is None:
             optimizer.learning_rate = rate
@@ -373,6 +377,8 @@ class Run:
         # before this resumes at its last step on every worker and writes them again.
         phases.enter(self.strategy, "outputs_written")
         backup.remove_backups(self.backup_dir)
+        if self._source != self.backup_dir:  # Resumed on another layout: the gone tasks' go too.
+            backup.remove_gone(self.backup_dir, run=self.run_id, tasks=self.replica_tasks)
         events.emit("finished", final=self.summary.get("final"), summary=path if self.is_chief else None)
 
     def __enter__(self):
