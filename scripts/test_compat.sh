@@ -20,7 +20,8 @@ PY
 # .venv's own Keras minor is covered by `make test`, which runs the same tests with it.
 base_minor=$(TF_CPP_MIN_LOG_LEVEL=3 "$base/bin/python" -c 'import keras; print(keras.__version__.split(".")[1])' 2>/dev/null)
 # The compat fixes' own tests, and multi-worker training through them: the main job on
-# 2 workers, periodic sync, the step's ops, a NaN stop, a preemption in validation.
+# 2 workers, periodic sync, the step's ops, a NaN stop, a preemption in validation; the run
+# API with a user's model of two inputs and two outputs, and its rollback under a schedule.
 tests=(
   tests/test_keras_compat.py
   tests/test_train.py::test_two_workers_write_one_summary
@@ -28,6 +29,8 @@ tests=(
   tests/test_step.py
   tests/test_nonfinite.py::test_one_workers_inf_stops_every_worker_at_the_same_step
   "tests/test_preemption.py::test_sigterm_outside_training_batches_exits_75_and_the_job_resumes[validation]"
+  tests/test_run_api.py
+  tests/test_run.py::test_rollback_under_a_schedule_goes_on
 )
 failed=()
 for minor in $minors; do

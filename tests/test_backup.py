@@ -107,8 +107,7 @@ def test_a_worker_killed_writing_its_first_backup_starts_again_with_its_peers(tm
         rows.append(backup._describe_local(str(directory), "run-a", task))  # pylint: disable=protected-access
     assert backup.decide(np.array(rows)) == 0
     rows[1] = backup._describe_local(str(tmp_path / "lost"), "run-a", "worker:1")  # A disk lost: no backup.
-    with pytest.raises(backup.ResumeError, match="worker:1 holds no backup"):
-        backup.decide(np.array(rows))
+    assert backup.decide(np.array(rows)) == 5  # worker:0's step; worker:1 gets its state (share_state).
 
 
 def _row(job, index, status, *steps):
@@ -121,9 +120,13 @@ def test_decide_takes_the_latest_step_all_workers_hold():
     assert backup.decide(np.array([_row(0, 0, 1, 100, 120), _row(1, 0, 1, 100, 120)])) == 120
 
 
+def test_a_worker_without_a_backup_resumes_at_the_step_its_peers_hold():
+    """A host that lost its disk, or one added to the job: it gets the state, not an error."""
+    assert backup.decide(np.array([_row(0, 0, 1, 40, 80), _row(1, 0, 0)])) == 80
+    assert backup.decide(np.array([_row(1, 0, 1, 40, 60), _row(1, 1, 1, 60, 80), _row(1, 2, 0)])) == 60
+
+
 @pytest.mark.parametrize("rows, error", [
-    ([_row(0, 0, 1, 40, 80), _row(1, 0, 0)],
-     "Cannot resume: worker:0 holds no backup in its model_dir/backup/ while chief:0 holds step 80."),
     ([_row(1, 0, 1, 40), _row(1, 1, 2, 40)],
      "Cannot resume: worker:1 holds a backup of a different run"),
     ([_row(1, 0, 1, 100, 120), _row(1, 1, 1, 40, 60)],
@@ -158,3 +161,29 @@ def test_a_layout_without_the_tasks_that_wrote_the_backups_resumes_from_theirs(t
     assert backup.agree_on_resume(restored, str(tmp_path / "worker-0"), run="run-a", task="chief:0") == 10
     backup.remove_gone(str(tmp_path / "chief-0"), run="run-a", tasks=["chief:0"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["worker-2"]  # Only the other run's is left.
+
+
+def test_two_processes_of_one_task_never_hold_its_backups_at_once(tmp_path):
+    """Issue 33 item 6: under Ray a stopping child ran on beside the new group's child of the
+    same task, in the same backup/<task>, and its pruning could delete the agreed step."""
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+    import time  # pylint: disable=import-outside-toplevel
+
+    code = ("import sys, time; from distrib_tf.keras import backup; lock = backup.hold(sys.argv[1]); "
+            "print('held', flush=True); time.sleep(float(sys.argv[2]))")
+    old = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), "3"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert old.stdout.readline().strip() == "held"
+        with pytest.raises(backup.ResumeError, match=rf"another process \(pid {old.pid}\) still holds"):
+            backup.hold(str(tmp_path), wait_seconds=0.5)
+        started = time.monotonic()
+        lock = backup.hold(str(tmp_path), wait_seconds=30)  # Waits for the old one to let go (it ends).
+        waited = time.monotonic() - started
+        lock.close()
+        assert waited > 1.5, waited  # It held on for 3 s after saying so, 0.5 s of them spent above.
+        assert old.wait(timeout=30) == 0
+    finally:
+        old.kill()
+        old.wait()
+        old.stdout.close()

@@ -51,3 +51,26 @@ def test_a_run_that_ended_before_its_last_epoch_ends_the_evaluator(tmp_path):
     assert [r["epoch"] for r in results] == [1]
     with open(tmp_path / "eval" / "eval.json") as f:
         assert json.load(f)["run"] == "this"
+
+
+def test_the_patience_grows_with_the_longest_wait_seen(tmp_path):
+    """Issue 33 item 4: a fixed 3600 s ended an evaluator whose epochs take over an hour. With
+    `idle_seconds=2`, a first checkpoint after 1.2 s and the next ones 2.5 s apart, it waits
+    for each (3 times the longest gap seen); with a fixed patience it gave up at the second."""
+    import threading  # pylint: disable=import-outside-toplevel
+
+    model, data = _model_and_data()
+
+    def chief():
+        for epoch, wait in ((1, 1.2), (2, 2.5), (3, 2.5)):
+            time.sleep(wait)
+            _checkpoint(model, tmp_path, epoch, run="this")
+
+    writer = threading.Thread(target=chief)
+    writer.start()
+    try:
+        results = evaluator.evaluate_checkpoints(model, data, steps=2, model_dir=str(tmp_path), last_epoch=3,
+                                                 run="this", poll_seconds=0.05, idle_seconds=2)
+    finally:
+        writer.join()
+    assert [r["epoch"] for r in results] == [1, 2, 3]

@@ -53,8 +53,15 @@ def test_slurm_script_and_cluster_from_slurm_variables():
     result = _export("slurm", f"--cluster_spec={SPEC}", "--", "python", "-m", "distrib_tf.train")
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --ntasks=3" in result.stdout
-    srun = "srun --kill-on-bad-exit=1 distrib-tf-launch --slurm --grace_period=110 -- python -m distrib_tf.train"
+    srun = "srun --wait=120 distrib-tf-launch --slurm --grace_period=110 -- python -m distrib_tf.train"
     assert srun in result.stdout
+    assert "srun --kill-on-bad-exit" not in result.stdout  # It killed the rest at the first exit 75 (issue 33, 5).
+
+
+def test_a_job_name_that_would_inject_script_lines_is_refused():
+    result = _export("slurm", f"--cluster_spec={SPEC}", "--job_name=a\n#SBATCH --output=/etc/x", "--", "true")
+    assert result.returncode == 2 and "Invalid value for `--job_name`" in result.stderr, result.stderr
+    assert result.stdout == ""
 
 
 @pytest.mark.parametrize("args, message", [
@@ -323,3 +330,15 @@ def test_tfjob_launcher_exit_codes_meet_the_exit_code_policy(tmp_path, code, ret
         env={**os.environ, "PYTHONPATH": ROOT, "TF_CONFIG": json.dumps(tf_config)},
         capture_output=True, text=True, timeout=60)
     assert without.returncode == code and not _is_retryable_exit_code(without.returncode)
+
+
+@pytest.mark.parametrize("engine", ["jobset", "trainjob", "tfjob"])
+def test_an_evaluator_that_would_never_see_a_checkpoint_is_refused(engine):
+    """Issue 33 item 3: each task mounts its own sub-path of the claim, so the evaluator's
+    checkpoints/ stayed empty and it exited 1 after an hour, restarting or failing the job."""
+    result = _export("kubernetes", f"--engine={engine}", f"--cluster_spec={ROOT}/cluster_specs/local_evaluator.json",
+                     "--image=registry.example/job:1", "--volume_claim=training-runs", "--", "python", "-m",
+                     "distrib_tf.train")
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Received: an evaluator task" in errors[0], result.stderr

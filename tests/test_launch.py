@@ -141,7 +141,8 @@ def test_killed_launcher_leaves_no_task_running(tmp_path):
 
 
 @pytest.mark.multiworker
-@pytest.mark.parametrize("sync", [pytest.param([], marks=pytest.mark.slow), ["--sync=every:5"]],
+@pytest.mark.parametrize("sync", [pytest.param([], marks=pytest.mark.slow),  # Both in make soak: test_run.py
+                                  pytest.param(["--sync=every:5"], marks=pytest.mark.slow)],  # kills a worker.
                          ids=["sync_every_step", "periodic_sync"])
 def test_killed_worker_is_restarted_and_the_job_resumes(tmp_path, sync):
     model_dir = tmp_path / "run"
@@ -260,3 +261,30 @@ def test_workers_or_a_shipped_spec_by_name_from_any_directory(tmp_path, options,
     assert result.returncode == 0, result.stdout + result.stderr
     assert sorted(re.findall(r"^\[(worker:\d)\] WORKERS (\d)", result.stdout, re.M)) == [
         (f"worker:{i}", str(workers)) for i in range(workers)]
+
+
+# worker:0 saves on SIGTERM (exit 75); worker:1, as the task said, ignores it or also saves.
+_SAVER = ("import json, os, signal, sys, time; task = json.loads(os.environ['TF_CONFIG'])['task']['index']; "
+          "ignore = sys.argv[1] == 'ignore' and task == 1; "
+          "leave = lambda *_: (signal.signal(signal.SIGTERM, signal.SIG_IGN), sys.exit(75)); "  # It comes twice.
+          "signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore else leave); "
+          "signal.signal(signal.SIGHUP, signal.SIG_IGN); print('up', flush=True); time.sleep(120)")
+
+
+@pytest.mark.parametrize("sig, worker1, code, line", [
+    (signal.SIGTERM, "ignore", 130, "SIGTERM: not every task saved its state (worker:0 exited with code 75; "
+                                    "worker:1 was killed by SIGKILL): exit code 130"),
+    (signal.SIGHUP, "save", 75, "preempted: every worker saved its state"),
+])
+def test_the_launcher_exits_75_only_when_every_task_saved(tmp_path, sig, worker1, code, line):
+    """Issue 33: 75 ("every worker saved its state") came from one task's 75 even when another
+    was SIGKILLed after the grace; and SIGHUP (an ssh session gone) killed the tasks unsaved."""
+    with open(tmp_path / "launcher.out", "w+") as out:
+        proc, _ = start_and_wait_for(
+            launch_cmd("local_2workers.json", sys.executable, "-c", _SAVER, worker1, options=["--grace_period=2"]),
+            out, marker="] up", count=2, env=ENV, timeout=30)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == code
+        out.seek(0)
+        text = out.read()
+    assert line in text, text[-2000:]

@@ -37,7 +37,10 @@ def _run(model_dir, model, dataset):
     return result.stdout
 
 
-@pytest.mark.parametrize("model", ["cnn", pytest.param("transformer", marks=pytest.mark.slow)])
+# make soak: tests/test_run.py's own-disk preemption (a user's script, a random step, bit-identical)
+# and tests/test_preemption_soak.py cover this path in make test.
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["cnn", "transformer"])
 def test_sigterm_mid_epoch_loses_no_step(tmp_path, model, shapes_on_disk):
     """The CNN streams `shapes` from disk (each worker reads its own examples); the transformer
     reads `tokens` from memory: both resume at the agreed step, bit-identical."""
@@ -79,8 +82,9 @@ def test_sigterm_mid_epoch_loses_no_step(tmp_path, model, shapes_on_disk):
 PHASE_STEPS = 4  # Steps an epoch; 2 epochs.
 
 
-@pytest.mark.parametrize("phase", [  # make soak runs the two the others cover in part.
-    pytest.param("start-up", marks=pytest.mark.slow), "validation",
+@pytest.mark.parametrize("phase", [  # make soak runs the three the others cover in part (validation:
+    pytest.param("start-up", marks=pytest.mark.slow),  # one worker's SIGTERM there, below).
+    pytest.param("validation", marks=pytest.mark.slow),
     pytest.param("final-evaluate", marks=pytest.mark.slow), "export"])
 def test_sigterm_outside_training_batches_exits_75_and_the_job_resumes(tmp_path, phase):
     """A SIGTERM in any phase but a training batch: the job exits 75 (not 130 after the
@@ -123,3 +127,32 @@ def _run_command(command):
     result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     return result.stdout
+
+
+def test_sigterm_to_one_worker_in_validation_ends_every_worker_with_75(tmp_path):
+    """Issue 33 item 7: one worker's SIGTERM outside the training batches ended that worker
+    only (75), and its peer failed at its next collective (exit 1). Each task waits in the
+    last validation; only the first to ask gets the SIGTERM (no launcher: real pids)."""
+    from cluster_runner import local_spec  # pylint: disable=import-outside-toplevel
+
+    request = tmp_path / "sigterm.request"
+    spec = local_spec(2).with_free_ports()
+    procs = [subprocess.Popen(
+        [sys.executable, f"{ROOT}/tests/workers/sigterm_at.py", "validation", str(request), "--model=cnn",
+         "--epochs=2", f"--steps_per_epoch={PHASE_STEPS}", f"--model_dir={tmp_path / 'run'}"],
+        env={**ENV, "TF_CONFIG": spec.tf_config(task)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True) for task in spec.tasks]
+    try:
+        deadline = time.monotonic() + 180
+        while not (request.exists() and request.read_text().strip()) and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), [p.communicate()[0][-2000:] for p in procs]
+            time.sleep(0.05)
+        pid = int(request.read_text().split()[0])
+        os.kill(pid, signal.SIGTERM)  # One worker's: the scheduler evicted its host.
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        kill_left(procs)
+    assert [p.returncode for p in procs] == [75, 75], [o[-2000:] for o in outputs]
+    for output in outputs:
+        assert re.search(rf"worker:\d preempted: backed up step {2 * PHASE_STEPS} like every worker", output), (
+            output[-2000:])

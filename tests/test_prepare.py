@@ -137,6 +137,9 @@ def _damage(kind, out):
     elif kind == "num_examples disagree":
         meta["num_examples"]["train"] = 5
         meta_path.write_text(json.dumps(meta))
+    elif kind == "num_examples a list":  # Before: AttributeError past the CLI, a traceback.
+        meta["num_examples"] = []
+        meta_path.write_text(json.dumps(meta))
     return str(shard), str(meta_path)
 
 
@@ -145,6 +148,7 @@ def _damage(kind, out):
     ("truncated shard", "Cannot read shard {shard} ("),
     ("counts disagree", "Shard {shard} holds 1024 records; {meta} says 1025."),
     ("num_examples disagree", "Invalid value for `num_examples.train` in {meta}. Received: 5. Expected 8192"),
+    ("num_examples a list", "Invalid value for `num_examples` in {meta}. Received: []. Expected an object"),
 ])
 def test_damaged_shards_stop_the_job_before_it_trains(tmp_path, kind, error):
     out = tmp_path / "shapes"
@@ -222,3 +226,49 @@ def test_a_script_may_exit_while_its_pipeline_prefetches(tmp_path):
         run = subprocess.run([sys.executable, "-c", EXITS_MID_PIPELINE, info.name], capture_output=True, text=True,
                              env=ENV, timeout=120, cwd=ROOT)
         assert run.returncode == 0 and run.stdout == "done\n", (run.returncode, run.stderr[-2000:])
+
+
+def _files(directory):
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_prepare_into_its_own_source_and_a_failed_prepare_leaves_out_as_it_was(tmp_path):
+    """Before: `--dataset=array_record:D --out=D` deleted D/dataset.json first, then failed with
+    "No dataset.json in D", and D no longer loaded; a failed prepare left shards replaced."""
+    out = tmp_path / "d"
+    prepare.prepare("shapes", str(out), num_shards=4)
+    ids = tf.range(0, 8192, 97, dtype=tf.int64)
+    before = readers.make_reader(data.load_info(f"array_record:{out}"), "train")(ids)
+    result = _prepare(f"--dataset=array_record:{out}", f"--out={out}", "--num_shards=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    info = data.load_info(f"array_record:{out}")
+    assert len(records.read_meta(str(out))["files"]["train"]) == 2
+    after = readers.make_reader(info, "train")(ids)
+    np.testing.assert_array_equal(before[0].numpy(), after[0].numpy())
+    np.testing.assert_array_equal(before[1].numpy(), after[1].numpy())
+    kept = _files(out)
+    for split in ("train", "test"):  # The train split is written before the test split fails.
+        (tmp_path / "broken" / split / "cat").mkdir(parents=True)
+    (tmp_path / "broken" / "train" / "cat" / "0.png").write_bytes(tf.io.encode_png(_image(0, 8, 8)).numpy())
+    (tmp_path / "broken" / "test" / "cat" / "0.png").write_bytes(b"not a png")
+    line = _one_error_line(_prepare(f"--dataset=images:{tmp_path / 'broken'}", f"--out={out}"))
+    assert "test/cat/0.png" in line, line
+    assert _files(out) == kept  # As it was: nothing replaced, nothing half-written.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "d"]  # No staging left behind.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("a user's file")
+    refused = _prepare("--dataset=shapes", f"--out={tmp_path / 'mine'}")
+    assert "holds files but no dataset.json" in _one_error_line(refused)
+
+
+def test_an_older_dataset_json_without_a_field_is_one_line(tmp_path):
+    """Before: a KeyError traceback from `prepare --dataset=tfrecord:D` of an older directory."""
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "dataset.json").write_text(json.dumps({"format": "tfrecord", "kind": "image"}))
+    with tf.io.TFRecordWriter(str(tmp_path / "old" / "train-00000.tfrecord")) as writer:
+        writer.write(b"")
+    with tf.io.TFRecordWriter(str(tmp_path / "old" / "test-00000.tfrecord")) as writer:
+        writer.write(b"")
+    line = _one_error_line(_prepare(f"--dataset=tfrecord:{tmp_path / 'old'}", f"--out={tmp_path / 'new'}"))
+    assert "Invalid value for `input_shape` in" in line and "Received: None" in line, line
+    assert not (tmp_path / "new").exists()

@@ -55,9 +55,16 @@ def uninterrupted(tmp_path_factory):
     return weights["worker:0"]
 
 
+def _require_own_disks():
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        if os.environ.get("DISTRIB_TF_REQUIRE_NETNS"):
+            pytest.fail("needs root and unshare for a disk per worker")
+        pytest.skip("needs root and unshare for a disk per worker")
+
+
 def _own_disks_cluster(tmp_path, disks, model_dir, args, timeout=300):
     """One process per task, each seeing only its own disk at `model_dir`."""
-    spec = local_spec(2).with_free_ports()
+    spec = local_spec(len(disks)).with_free_ports()
     procs = []
     for task, disk in zip(spec.tasks, disks):
         mount = f'mount --bind {disk} {model_dir} && exec "$@"'
@@ -79,10 +86,7 @@ def _own_disks_cluster(tmp_path, disks, model_dir, args, timeout=300):
 
 
 def test_preempted_at_a_random_step_on_own_disks_resumes_to_bit_identical_weights(tmp_path, uninterrupted):
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        if os.environ.get("DISTRIB_TF_REQUIRE_NETNS"):
-            pytest.fail("needs root and unshare for a disk per worker")
-        pytest.skip("needs root and unshare for a disk per worker")
+    _require_own_disks()
     model_dir = tmp_path / "run"
     disks = [tmp_path / f"disk{i}" for i in range(2)]
     for directory in (model_dir, *disks):
@@ -185,3 +189,34 @@ def test_preempted_on_two_workers_resumes_on_one_process_where_the_uninterrupted
           "from the uninterrupted 2-worker run")
     assert difference <= 1e-10  # The layout test's float64 bound (tests/test_train.py, LAYOUT_CASES).
     assert not (model_dir / "backup").exists()  # The gone tasks' backups went at the end.
+
+
+def test_a_grow_from_two_workers_to_three_the_new_one_on_an_empty_disk(tmp_path):
+    """Preempted on 2 workers with their own disks, resumed on 3: worker:2's disk is empty, it
+    gets the step and the state from worker:0 over the collective. A global batch of 48 (24
+    a replica on 2, 16 on 3); the result is the uninterrupted 2-worker run's within the
+    float64 layout bound."""
+    _require_own_disks()
+    batch = "--global_batch_size=48"  # 10 steps an epoch, 30 in all.
+    reference = tmp_path / "uninterrupted"
+    code, text = _launch(f"--model_dir={reference}", batch)
+    assert code == 0, text[-3000:]
+    model_dir = tmp_path / "run"
+    disks = [tmp_path / f"disk{i}" for i in range(3)]
+    for directory in (model_dir, *disks):
+        directory.mkdir()
+    step = random.Random().randrange(2, 24)
+    codes, texts = _own_disks_cluster(tmp_path, disks[:2], model_dir, [f"--sigterm_at_step={step}", batch])
+    assert codes == [75, 75], (step, [t[-2000:] for t in texts])
+    saved = int(re.search(r"backed up step (\d+) like every worker", texts[0]).group(1))
+    codes, texts = _own_disks_cluster(tmp_path, disks, model_dir, [batch])
+    assert codes == [0, 0, 0], [t[-3000:] for t in texts]
+    assert f"worker:2 resumes at step {saved} " in texts[2] and "the state came from a worker" in texts[2], (
+        texts[2][-3000:])
+    weights = {w for text in texts for w in _fingerprints(text).values()}
+    assert len(weights) == 1, weights  # Three processes, one set of weights.
+    difference = weights_difference(checkpoint_arrays(disks[0] / "checkpoints" / "epoch003.weights.h5"),
+                                    checkpoint_arrays(reference / "checkpoints" / "epoch003.weights.h5"))
+    print(f"2 workers preempted at step {saved}, resumed on 3 (worker:2 on an empty disk): weights {difference:.2g} "
+          "(relative L2) from the uninterrupted 2-worker run")
+    assert difference <= 1e-10  # The layout test's float64 bound (tests/test_train.py, LAYOUT_CASES).

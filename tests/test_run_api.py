@@ -29,6 +29,8 @@ def _sigterm_as_it_was():
 
 
 def test_fit_on_arrays_with_two_inputs_returns_a_history_and_the_model_loads_with_plain_keras(tmp_path):
+    (tmp_path / "run").mkdir(mode=0o755)  # An existing model_dir: tightened (issue 33 item 8).
+    (tmp_path / "run").chmod(0o755)
     run = distrib_tf.Run(tmp_path / "run", seed=0, backup_every_steps=4, exit_codes=False)
     with run.strategy.scope():
         model = my_models.build(total_steps=32)
@@ -44,6 +46,10 @@ def test_fit_on_arrays_with_two_inputs_returns_a_history_and_the_model_loads_wit
     assert np.isfinite(evaluated["loss"])
     predicted = model.predict({k: v[:5] for k, v in x.items()}, verbose=0)
     assert predicted["value"].shape == (5, 1) and predicted["kind"].shape == (5, my_models.KINDS)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "run", tmp_path / "run" / "backup",
+                                                         tmp_path / "run" / "backup" / "chief-0",
+                                                         tmp_path / "run" / "checkpoints")}
+    assert set(modes.values()) == {0o700}, {k: oct(v) for k, v in modes.items()}  # Before: 0755 but the last.
     path = run.save(model)
     run.end()
     assert not (tmp_path / "run" / "backup").exists()

@@ -145,3 +145,41 @@ def test_main_job_across_two_nodes_two_tasks_each(tmp_path, two_nodes):
     with open(tmp_path / "run" / "summary.json") as f:
         summary = json.load(f)
     assert summary["workers"] == 4 and summary["strategy"] == "MultiWorkerMirroredStrategy"
+
+
+@pytest.mark.multiworker
+def test_a_preemption_under_srun_saves_on_every_task_and_exits_75(tmp_path):
+    """Issue 33 item 5, played on the one-node Slurm: SIGTERM to every task of a running step
+    (`scancel --signal=TERM`, as a time limit's `--signal=TERM@120` does) with the srun options of
+    `distrib-tf-export slurm` (`--wait`, no `--kill-on-bad-exit`): both back up one step, 75."""
+    _one_node_slurm()
+    name = f"preempt-{os.getpid()}"
+    srun = next(line for line in slurm.batch_script(
+        slurm_spec_of_two(), command=["true"]).splitlines() if line.startswith("srun "))
+    options = srun.split()[1:srun.split().index("distrib-tf-launch")]  # What the batch script passes srun.
+    job = subprocess.Popen(["srun", "-n", "2", "--oversubscribe", f"--job-name={name}", "--time=10", *options,
+                            *LAUNCH, *_train(tmp_path / "run", "--epochs=3", "--steps_per_epoch=200")],
+                           env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in job.stdout:
+            lines.append(line)
+            if "worker:1 epoch 1/3" in line:
+                break
+        job_id = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True,
+                                timeout=20).stdout.split()[0]
+        subprocess.run(["scancel", "--signal=TERM", job_id], check=True, timeout=20)
+        output = "".join(lines) + job.communicate(timeout=200)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    saved = set(re.findall(r"(worker:\d) preempted: backed up step (\d+) like every worker", output))
+    assert {task for task, _ in saved} == {"worker:0", "worker:1"} and len({s for _, s in saved}) == 1, output[-3000:]
+    assert job.returncode == 75, output[-3000:]
+
+
+def slurm_spec_of_two():
+    from distrib_tf.cluster import ClusterSpec  # pylint: disable=import-outside-toplevel
+
+    return ClusterSpec.from_dict({"cluster": {"worker": ["127.0.0.1:0", "127.0.0.1:0"]}})

@@ -21,6 +21,8 @@ own examples only. Labels of class folders are the classes' indices in sorted or
 import dataclasses
 import hashlib
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import tensorflow as tf
@@ -53,18 +55,51 @@ def prepare(dataset: str, out_dir: str, *, num_shards: int = 8, data_dir: str | 
     if not 0 < test_fraction < 1:
         raise ValueError(f"Invalid value for `--test_fraction`. Received: {test_fraction}. "
                          "Expected a number between 0 and 1.")
-    os.makedirs(out_dir, exist_ok=True)
-    meta_path = os.path.join(out_dir, records.META)
-    if os.path.exists(meta_path):
-        os.remove(meta_path)  # Until the new one is written, the directory is not prepared.
-    if dataset.startswith("images:"):
-        meta = _from_image_folder(dataset[len("images:"):], out_dir, num_shards, image_size, test_fraction)
-    elif dataset.startswith("tfrecord:"):
-        meta = _from_tfrecords(dataset[len("tfrecord:"):], out_dir, image_size)
-    else:
-        meta = _from_registered(readers.load_info(dataset, data_dir=data_dir), out_dir, num_shards)
-    records.write_meta(out_dir, {**meta, "format": "array_record"})
+    out_dir = os.path.normpath(out_dir)
+    _check_out(out_dir)
+    # Everything is written beside `out_dir` and renamed into place only when complete, so a
+    # failed prepare leaves `out_dir` as it was, and `--out` may be the source itself (a
+    # re-sharding, or converting an older format in place): it is read whole before it goes.
+    staging = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(out_dir)),
+                               prefix=f".{os.path.basename(out_dir)}.preparing-")
+    try:
+        if dataset.startswith("images:"):
+            meta = _from_image_folder(dataset[len("images:"):], staging, num_shards, image_size, test_fraction)
+        elif dataset.startswith("tfrecord:"):
+            meta = _from_tfrecords(dataset[len("tfrecord:"):], staging, image_size)
+        else:
+            meta = _from_registered(readers.load_info(dataset, data_dir=data_dir), staging, num_shards)
+        records.write_meta(staging, {**meta, "format": "array_record"})
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _replace_dir(staging, out_dir)
     return registry.prepared_info(out_dir)
+
+
+def _check_out(out_dir: str) -> None:
+    """Refuses an `--out` holding files that are not a prepared dataset's: it is replaced whole."""
+    if not os.path.isdir(out_dir):
+        if os.path.exists(out_dir):
+            raise ValueError(f"Invalid value for `--out`. Received: {out_dir!r}, a file. Expected a directory.")
+        os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+        return
+    if os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, records.META)):
+        raise ValueError(f"Invalid value for `--out`. Received: {out_dir!r}, which holds files but no "
+                         f"{records.META}. Expected a new or empty directory, or one that prepare wrote "
+                         "(it is replaced whole).")
+
+
+def _replace_dir(staging: str, out_dir: str) -> None:
+    """`staging` becomes `out_dir`; an earlier `out_dir` is moved aside first, then deleted."""
+    old = None
+    if os.path.exists(out_dir):
+        old = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(out_dir)),
+                               prefix=f".{os.path.basename(out_dir)}.replaced-")
+        os.rename(out_dir, os.path.join(old, "dataset"))
+    os.rename(staging, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # Registered datasets -----------------------------------------------------------------------
@@ -201,7 +236,7 @@ def _tfrecord_splits(root: str) -> dict[str, list[str]]:
 def _from_tfrecords(root: str, out_dir: str, image_size) -> dict:
     splits = _tfrecord_splits(root)
     legacy = os.path.exists(os.path.join(root, records.META))  # An earlier version's `prepare`.
-    old = records.read_meta(root) if legacy else None
+    old = _legacy_meta(root) if legacy else None
     files, labels = {}, set()
     for split, inputs in splits.items():
         writer = records.ShardWriter(out_dir, split, len(inputs))
@@ -243,6 +278,22 @@ def _image_example(raw: bytes) -> tuple[bytes, int]:
     if len(label) != 1 or len(encoded) != 1 or label[0] < 0:
         raise ValueError("one image/encoded and one image/class/label >= 0 expected")
     return image_record(encoded[0], label[0]), int(label[0])
+
+
+def _legacy_meta(root: str) -> dict:
+    """An earlier version's `dataset.json`, with what converting it needs checked: one line each."""
+    old, path = records.read_meta(root), os.path.join(root, records.META)
+    if old.get("kind") not in ("image", "text"):
+        raise records.DataError(f"Invalid value for `kind` in {path}. Received: {old.get('kind')!r}. "
+                                "Expected 'image' or 'text'.")
+    shape = old.get("input_shape")
+    if not isinstance(shape, list) or not shape or not all(isinstance(d, int) and d > 0 for d in shape):
+        raise records.DataError(f"Invalid value for `input_shape` in {path}. Received: {shape!r}. Expected a "
+                                "list of positive integers.")
+    if not isinstance(old.get("num_classes"), int) or old["num_classes"] < 1:
+        raise records.DataError(f"Invalid value for `num_classes` in {path}. Received: {old.get('num_classes')!r}. "
+                                "Expected an integer >= 1.")
+    return {"name": old.get("name", f"tfrecord:{root}"), **old}
 
 
 def _legacy_record(raw: bytes, old: dict) -> tuple[bytes, int]:

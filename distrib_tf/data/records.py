@@ -116,6 +116,9 @@ def load_meta(directory: str) -> dict:
     if not isinstance(files, dict) or set(files) != set(SPLITS):
         raise _invalid(path, "files", files if not isinstance(files, dict) else sorted(files),
                        f"an object with the splits {', '.join(SPLITS)}")
+    if not isinstance(meta.get("num_examples"), dict):
+        raise _invalid(path, "num_examples", meta.get("num_examples"),
+                       f"an object giving each split's examples ({', '.join(SPLITS)})")
     for split in SPLITS:
         shards = split_shards(directory, meta, split)
         if shards.num_records != meta.get("num_examples", {}).get(split):

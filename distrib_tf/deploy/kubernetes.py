@@ -79,6 +79,17 @@ def _volumes(name: str, volume_claim: str | None) -> list[dict]:
     return [{"name": "spec", "configMap": {"name": name}}, runs]
 
 
+def _check_evaluator(spec: ClusterSpec, engine: str, volume_claim: str | None) -> None:
+    """Refuses an evaluator where every task mounts its own sub-path of the claim: its
+    `checkpoints/` would stay empty (the chief's are in the chief's sub-path)."""
+    if volume_claim and spec.jobs.get("evaluator"):
+        raise ValueError(
+            f"Invalid value for `--cluster_spec` with --engine={engine}. Received: an evaluator task. Expected "
+            "none: each task mounts its own sub-path of --volume_claim, so an evaluator would never see the "
+            "chief's checkpoints. Use --engine=job (one shared mount), or evaluate model_dir/checkpoints/ "
+            "after training.")
+
+
 def _config_map(spec: ClusterSpec, name: str, labels: dict) -> dict:
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "labels": labels},
             "data": {"spec.json": json.dumps(spec.to_dict(), indent=2)}}
@@ -133,6 +144,7 @@ def jobset_manifests(spec: ClusterSpec, *, name: str, image: str, command: list[
                      port: int = 2222, gpus_per_task: int = 0, max_restarts: int = 3,
                      volume_claim: str | None = None, grace_seconds: int = 120) -> list[dict]:
     """ConfigMap and JobSet for `spec` (see the module docstring for its failure policy). Pure."""
+    _check_evaluator(spec, "jobset", volume_claim)
     labels = {"app.kubernetes.io/name": name}
     container = _container(image=image, command=command, port=port, gpus_per_task=gpus_per_task,
                            grace_seconds=grace_seconds, per_task_volume=bool(volume_claim))
@@ -204,6 +216,7 @@ def trainjob_manifests(spec: ClusterSpec, *, name: str, image: str, command: lis
     with the JobSet failure policy of `jobset_manifests`. The TrainJob's JobSet is named
     after it, so the pods' hostnames, and the spec in the ConfigMap, follow from NAME.
     """
+    _check_evaluator(spec, "trainjob", volume_claim)
     labels = {"app.kubernetes.io/name": name}
     container = _container(image=image, command=command, port=port, gpus_per_task=gpus_per_task,
                            grace_seconds=grace_seconds, name=TRAINER_JOB,
@@ -242,6 +255,7 @@ def tfjob_manifests(spec: ClusterSpec, *, name: str, image: str, command: list[s
     used; watch the job's events). Storage: `--volume_claim` is mounted in every pod at
     `/runs/` with the pod's name as its sub-path (ReadWriteMany), its own disk.
     """
+    _check_evaluator(spec, "tfjob", volume_claim)
     del max_restarts  # See above: the operator has nothing to bound restarts under ExitCode.
     labels = {"app.kubernetes.io/name": name}
     runs = {"name": "runs", "mountPath": RUNS}

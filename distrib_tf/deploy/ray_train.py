@@ -33,7 +33,6 @@ No TensorFlow in this module: the job runs in the child.
 """
 
 import argparse
-import ctypes
 import ipaddress
 import json
 import os
@@ -45,12 +44,12 @@ import tempfile
 
 from distrib_tf import events
 from distrib_tf import exit_codes
+from distrib_tf import lifeline
 from distrib_tf.cluster import split_address
 
 LEGACY_KERAS_ENV = "TF_USE_LEGACY_KERAS"
 PERMANENT = (exit_codes.USAGE, exit_codes.NONFINITE)  # A retry fails the same way.
 CHECKPOINT_FILES = ("model.keras", "summary.json")
-_PR_SET_PDEATHSIG = 1
 
 
 class JobExit(RuntimeError):
@@ -74,9 +73,9 @@ def main_job_loop(config: dict) -> None:
     env = {k: v for k, v in os.environ.items() if k != LEGACY_KERAS_ENV}
     env["TF_CONFIG"] = json.dumps(node_ordered(json.loads(os.environ["TF_CONFIG"])))
     env[events.FD_ENV] = events.pipe_name(write_end)
-    child = subprocess.Popen(  # pylint: disable=subprocess-popen-preexec-fn
-        [sys.executable, "-m", "distrib_tf.train", *config["argv"]], env=env,
-        pass_fds=(write_end,), preexec_fn=_term_with_parent)
+    env[lifeline.PARENT_ENV] = str(os.getpid())  # The child gets SIGTERM if this Ray worker dies.
+    child = subprocess.Popen([sys.executable, "-m", "distrib_tf.train", *config["argv"]], env=env,
+                             pass_fds=(write_end,), start_new_session=True)
     os.close(write_end)
     finished = None
     try:
@@ -91,9 +90,7 @@ def main_job_loop(config: dict) -> None:
                     finished = event
         code = child.wait()
     finally:
-        if child.poll() is None:  # Ray is stopping this worker: the job backs up and exits.
-            child.terminate()
-            child.wait()
+        _stop(child)
     if code != exit_codes.OK:
         raise JobExit(code, rank)
     if finished is None:
@@ -139,10 +136,26 @@ def node_ordered(tf_config: dict) -> dict:
             "task": {"type": "worker", "index": ordered.index(own)}}
 
 
-def _term_with_parent():
-    """In the child: SIGTERM when the Ray worker dies (SIGKILLed, say), so the task backs
-    up and leaves rather than holding its peers' collectives until their timeout."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+CHILD_GRACE_SECONDS = 60.0  # From SIGTERM to SIGKILL of a child this worker stops.
+
+
+def _stop(child: subprocess.Popen) -> None:
+    """Ray is stopping this worker (or the loop failed): SIGTERM the child's whole process
+    group (the job backs up and exits 75), SIGKILL what is left after the grace, never wait
+    forever. A child still running would write the same `backup/<task>` as the new group's;
+    the backups' lock (`distrib_tf.keras.backup.hold`) keeps the two apart meanwhile."""
+    if child.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, CHILD_GRACE_SECONDS), (signal.SIGKILL, None)):
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            child.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def exit_code_of(error) -> int | None:

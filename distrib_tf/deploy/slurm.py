@@ -27,6 +27,7 @@ No TensorFlow here.
 """
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -203,8 +204,19 @@ def local_rank(environ: Mapping[str, str]) -> tuple[int, int] | None:
 SIGNAL_SECONDS = 120  # `--signal=TERM@120`: the warning before a time limit or a preemption.
 
 
+JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
 def batch_script(spec: ClusterSpec, *, command: list[str], job_name: str = "distrib_tf") -> str:
-    """An `sbatch` script running one Slurm task per training task of `spec`."""
+    """An `sbatch` script running one Slurm task per training task of `spec`.
+
+    Raises:
+        ValueError: a `job_name` that is not letters, digits, `_`, `.` or `-` (it goes into
+            an `#SBATCH` line and, through `%x`, into the output file's name).
+    """
+    if not JOB_NAME.match(job_name):
+        raise ValueError(f"Invalid value for `--job_name`. Received: {job_name!r}. Expected letters, digits, "
+                         "'_', '.' or '-' (at most 128), starting with a letter or digit.")
     tasks = spec.num_workers
     return "\n".join([
         "#!/bin/bash",
@@ -215,10 +227,11 @@ def batch_script(spec: ClusterSpec, *, command: list[str], job_name: str = "dist
         f"#SBATCH --signal=TERM@{SIGNAL_SECONDS}",
         "#SBATCH --requeue",
         "# One TensorFlow task per Slurm task; TF_CONFIG comes from the SLURM_* variables.",
-        "# --kill-on-bad-exit stops every task when one fails. SIGTERM (120 s before a time",
-        f"# limit or a preemption) makes every worker back up one agreed step and exit {exit_codes.PREEMPTED};",
-        "# the job then requeues itself and resumes at that step (backups on each node's disk).",
-        f"srun --kill-on-bad-exit=1 distrib-tf-launch --slurm --grace_period={launcher_grace(SIGNAL_SECONDS)} -- "
+        f"# --wait stops the other tasks {SIGNAL_SECONDS} s after the first one ends (not at once, as",
+        f"# --kill-on-bad-exit would for an exit {exit_codes.PREEMPTED}, while the others still back up).",
+        "# SIGTERM (120 s before a time limit or a preemption) makes every worker back up one",
+        f"# agreed step and exit {exit_codes.PREEMPTED}; the job then requeues itself and resumes at that step.",
+        f"srun --wait={SIGNAL_SECONDS} distrib-tf-launch --slurm --grace_period={launcher_grace(SIGNAL_SECONDS)} -- "
         + shlex.join(command),
         "code=$?",
         f'if [ "$code" -eq {exit_codes.PREEMPTED} ]; then scontrol requeue "$SLURM_JOB_ID"; fi',

@@ -20,14 +20,17 @@ all-gather, before training) and every worker takes the same decision:
 
 - no worker holds a backup: start at step 0;
 - all hold backups of this run: resume at the latest step that all of them hold;
-- otherwise (one holds none, another run's, or no step in common): a `ResumeError`
-  naming the worker and what it holds, raised on every worker alike, so none hangs.
+- some hold backups of this run and others none (a host that lost its disk, or one added
+  to the job): the latest step that all holders hold; a worker without it gets that step's
+  state from one that has it over the collective (`share_state`), exactly;
+- otherwise (another run's, or no step in common): a `ResumeError` naming the worker and
+  what it holds, raised on every worker alike, so none hangs.
 
 On another layout (`resume_source`): a worker whose own directory is empty reads the
 backups beside it of a task the layout no longer has, so a job preempted on 2 workers
 resumes on 1 process, or on fewer workers, over the disk they wrote; the state (the step,
 the weights, the optimizer's slots) is the same whatever the layout. A worker added on a
-disk of its own still holds none: that is a `ResumeError`, never a silent start at 0.
+disk of its own gets it from its peers, as above: no layout starts again at 0 silently.
 
 Example:
 
@@ -36,12 +39,14 @@ Example:
     >>> step = agree_on_resume(model, "/tmp/run/backup/worker-0", run="3fa2c1", task="worker:0")
 """
 
+import fcntl
 import glob
 import hashlib
 import json
 import os
 import re
 import tempfile
+import time
 
 import keras
 import numpy as np
@@ -96,6 +101,24 @@ def _sha256(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def make_private_dirs(path: str, *, tighten: bool = False) -> None:
+    """Creates `path` and each missing folder above it readable by their owner alone (0700:
+    `os.makedirs(mode=...)` applies the mode to the last one only); `tighten`: an existing
+    `path` is made 0700 too (the run's own `model_dir`)."""
+    missing, folder = [], os.path.abspath(path)
+    while not os.path.isdir(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    for each in reversed(missing):
+        try:
+            os.mkdir(each, 0o700)
+        except FileExistsError:  # Another worker on a shared disk made it first.
+            pass
+        os.chmod(each, 0o700)  # Not the umask's.
+    if tighten and not missing:
+        os.chmod(path, 0o700)
 
 
 def fsync(path: str) -> None:
@@ -157,7 +180,7 @@ class WorkerBackup(keras.callbacks.Callback):
         """Writes the backup of the current step (weights first, metadata last)."""
         if self.saved_step == self.step:
             return
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        make_private_dirs(self.directory)
         weights = _weights_path(self.directory, self.step)
         writing = weights[: -len(".weights.h5")] + ".writing.weights.h5"
         self.model.save_weights(writing, overwrite=True)
@@ -181,6 +204,41 @@ class WorkerBackup(keras.callbacks.Callback):
                     os.remove(path)
 
 
+LOCK = ".lock"
+
+
+def hold(directory: str, *, wait_seconds: float = 120.0):
+    """Holds `directory` (an exclusive `flock` on its `.lock`) for as long as this process
+    runs, waiting up to `wait_seconds` for a process that holds it to end: two processes of
+    one task (a worker stopping beside its replacement, under Ray) never write or prune the
+    same backups. Returns the open lock file (keep it).
+
+    Raises:
+        ResumeError: another process still holds it after `wait_seconds`.
+    """
+    make_private_dirs(directory)
+    lock = open(os.path.join(directory, LOCK), "a+", encoding="utf-8")  # pylint: disable=consider-using-with
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                lock.seek(0)
+                holder = lock.read().strip() or "unknown"
+                lock.close()
+                raise ResumeError(f"Cannot resume: another process (pid {holder}) still holds {directory} after "
+                                  f"{wait_seconds:.0f} s. Expected it to end first (a task of this job still "
+                                  "running): stop it, or wait for it.") from None
+            time.sleep(0.2)
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
+
+
 def write_json_atomically(path: str, content: dict) -> None:
     """Writes `content` to `path` through a temporary file and a rename, synced: whole or not at all."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
@@ -194,8 +252,9 @@ def write_json_atomically(path: str, content: dict) -> None:
 
 def remove_backups(directory: str) -> None:
     """Deletes this worker's backups once the run is over, and `backup/` once empty."""
-    for path in glob.glob(os.path.join(glob.escape(directory), "step-*")):
-        os.remove(path)
+    for path in [*glob.glob(os.path.join(glob.escape(directory), "step-*")), os.path.join(directory, LOCK)]:
+        if os.path.exists(path):
+            os.remove(path)
     for folder in (directory, os.path.dirname(directory)):
         try:
             os.rmdir(folder)
@@ -279,7 +338,9 @@ def agree_on_resume(model, directory: str, *, run: str, task: str, include_start
         with strategy.scope():
             if not model.optimizer.built:
                 model.optimizer.build(model.trainable_variables)
-        model.load_weights(_weights_path(directory, step))
+        if _holds(row, step):
+            model.load_weights(_weights_path(directory, step))
+        share_state(model, rows, step, row)
     return step
 
 
@@ -299,16 +360,46 @@ def decide(rows: np.ndarray) -> int:
             "use a new --model_dir, or remove that host's old backup."
         )
     holding = {name: steps for name, (status, steps) in workers.items() if status == _OURS}
-    missing = [name for name in workers if name not in holding]
-    if missing:
-        other, steps = next(iter(holding.items()))
-        raise ResumeError(
-            f"Cannot resume: {missing[0]} holds no backup in its model_dir/backup/ while "
-            f"{other} holds step {steps[-1]}. Expected every worker to keep its own "
-            "model_dir between restarts (a disk that outlives the task, see README)."
-        )
     common = set.intersection(*(set(steps) for steps in holding.values()))
     if not common:
         held = "; ".join(f"{name} holds steps {steps}" for name, steps in holding.items())
         raise ResumeError(f"Cannot resume: no step that every worker holds ({held}).")
-    return max(common)
+    return max(common)  # A worker that holds none gets it from one that does (`share_state`).
+
+
+def _holds(row, step: int) -> bool:
+    return row[2] == _OURS and step in row[3:]
+
+
+def share_state(model, rows: np.ndarray, step: int, own_row: np.ndarray) -> bool:
+    """Gives the state of `step` to every worker that holds no backup of it, from the first
+    replica that does: every variable of the model and its optimizer in one all-reduce, in
+    float64, where only that replica adds its values (exact: x + 0 is x, and float32 and
+    integer counts below 2**53 pass through float64 unchanged). Returns whether it ran.
+
+    Every worker calls it at the same point with the same `rows` (one per replica).
+    """
+    holders = [r for r, row in enumerate(rows) if _holds(row, step)]
+    if len(holders) == len(rows):
+        return False
+    strategy, source = model.distribute_strategy, holders[0]
+    variables = list({id(v): v for v in [*model.variables, *model.optimizer.variables]}.values())
+
+    @tf.function
+    def summed():
+        def replica_fn():
+            context = tf.distribute.get_replica_context()
+            flat = tf.concat([tf.reshape(tf.cast(v.value, tf.float64), [-1]) for v in variables], 0)
+            mine = tf.equal(context.replica_id_in_sync_group, source)
+            return context.all_reduce("SUM", tf.where(mine, flat, tf.zeros_like(flat)))
+        return strategy.run(replica_fn)
+
+    flat = strategy.experimental_local_results(summed())[0].numpy()
+    offset = 0
+    for variable in variables:
+        size = int(np.prod(variable.shape))
+        variable.assign(flat[offset:offset + size].reshape(variable.shape).astype(variable.dtype))
+        offset += size
+    if not _holds(own_row, step):
+        events.emit("state_received", step=step)
+    return True

@@ -41,7 +41,7 @@ class ChiefCheckpoint(keras.callbacks.Callback):
         if not self.model.distribute_strategy.extended.should_checkpoint:
             return
         path = checkpoint_path(self.model_dir, epoch + 1)
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        backup.make_private_dirs(os.path.dirname(path))
         writing = path[: -len(".weights.h5")] + ".writing.weights.h5"
         self.model.save_weights(writing, overwrite=True)
         backup.fsync(writing)

@@ -46,7 +46,7 @@ class Preempted(Exception):
 
 def install_sigterm_handler() -> None:
     """SIGTERM then records that a preemption is coming, or raises inside `saved()`
-    (main thread only).
+    (main thread only); with `watch_peers`, it tells every other worker too.
 
     Making a `MultiWorkerMirroredStrategy` installs TensorFlow's own SIGTERM handler (the
     coordination service's preemption notifier, which does not stop the process): call
@@ -65,9 +65,51 @@ def reclaim_sigterm() -> None:
 
 def _record(signum, frame):
     global _requested
+    first = not _requested
     _requested = True
+    if first and _peers_key is not None:  # Every worker, in whatever phase it is, is told.
+        threading.Thread(target=_set_once, args=(_peers_key, "sigterm"), daemon=True).start()
     if _saved:
         raise Preempted(_saved[-1])
+
+
+_peers_key: str | None = None
+PEERS_KEY = "distrib_tf/preempt/any"
+
+
+def watch_peers(strategy) -> None:
+    """Under several workers: a SIGTERM to any one of them reaches this one as its own.
+
+    A worker's first SIGTERM names `PEERS_KEY` in the coordination service's key-value store;
+    a thread on every worker waits on that key and sends its own process SIGTERM. So a
+    SIGTERM outside the training batches (start-up, validation, the final evaluate, the
+    export: `saved()`), which ends its worker at once, ends every worker with 75 instead of
+    leaving the others to fail at their next collective; in the training batches the peers
+    join the agreement on one step (`SaveOnPreemption`) as they would have anyway. Call it
+    once, after `install_sigterm_handler()`; `stop_watching()` at the clean end.
+    """
+    global _peers_key
+    resolver = getattr(strategy, "cluster_resolver", None)
+    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    if _peers_key is not None or sum(len(spec.get(kind, ())) for kind in ("chief", "worker")) < 2:
+        return
+    _peers_key = PEERS_KEY
+
+    def wait():
+        try:
+            value = context.context().get_config_key_value(PEERS_KEY)  # Blocks until set.
+        except Exception:  # pylint: disable=broad-except  (the service gone: nothing to hear)
+            return
+        if value == "sigterm" and not _requested:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="distrib_tf-peers-preemption", daemon=True).start()
+
+
+def stop_watching() -> None:
+    """The run ended: the peers' watch is released (a SIGTERM from now on concerns no peer)."""
+    if _peers_key is not None:
+        _set_once(_peers_key, _NONE)
 
 
 @contextlib.contextmanager

@@ -57,11 +57,14 @@ reported: the task that failed first, its exit code or signal, and its last line
 output. If the launcher itself is killed, the kernel kills its tasks (Linux parent-death
 signal).
 
-Preemption: SIGTERM to the launcher (Slurm's and Kubernetes' notice) is forwarded to
-every task; the main job's workers then agree on one step, each backs it up and exits
-with 75 (`distrib_tf.keras.preemption`), and the launcher exits with 75: started again, the
-job resumes at that step. A task that exits with 75 on its own (it got the SIGTERM)
-ends the launch the same way. Ctrl-C stops the whole group the same way and exits 130.
+Preemption: SIGTERM to the launcher (Slurm's and Kubernetes' notice), or SIGHUP (the ssh
+session or terminal that started it gone), is sent on to every task as SIGTERM; the main
+job's workers then agree on one step, each backs it up and exits with 75
+(`distrib_tf.keras.preemption`), and the launcher exits with 75: started again, the job
+resumes at that step. The launcher exits 75 only when every task exited 75 (or had
+finished); otherwise it names each task's code in one line and exits 130. A task that
+exits with 75 on its own (it got the SIGTERM) ends the launch the same way. Ctrl-C stops
+the whole group the same way and exits 130.
 Signal handlers only record the signal; the supervision loop acts on it.
 
 Exit codes (`distrib_tf.exit_codes`): 0 every task succeeded; 1 a task failed and no
@@ -78,6 +81,7 @@ import argparse
 import os
 import shutil
 import sys
+import tempfile
 
 from distrib_tf import argparsing
 from distrib_tf import cluster
@@ -169,7 +173,7 @@ def _select_tasks(args: argparse.Namespace) -> tuple[ClusterSpec, tuple[Task, ..
         if (args.cluster_spec or args.workers or args.task or args.task_ordinal is not None
                 or args.max_restarts):
             raise ValueError("Invalid arguments with `--slurm`: the cluster and the task come "
-                             "from SLURM_*, and restarts are Slurm's (`srun --kill-on-bad-exit=1`, "
+                             "from SLURM_*, and restarts are Slurm's (`srun --wait`, "
                              "requeue). Expected no --cluster_spec, --workers, --task, --task_ordinal or "
                              "--max_restarts.")
         spec, task = slurm.load_cluster()
@@ -244,6 +248,17 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if args.events and not os.access(os.path.dirname(os.path.abspath(args.events)), os.W_OK):
         raise ValueError(f"Invalid value for `--events`. Received: {args.events!r}. Expected a file in "
                          "an existing directory this user can write to.")
+    if not args.grace_period >= 0:
+        raise ValueError(f"Invalid value for `--grace_period`. Received: {args.grace_period}. Expected a number "
+                         "of seconds >= 0.")
+    if args.log_dir:  # Before any task starts: a log that cannot be opened would fail the later ones only.
+        try:
+            os.makedirs(args.log_dir, exist_ok=True)
+            with tempfile.TemporaryFile(dir=args.log_dir):
+                pass
+        except OSError as e:
+            raise ValueError(f"Invalid value for `--log_dir`. Received: {args.log_dir!r}. Expected a directory "
+                             f"this user can write to ({e.strerror}).") from e
     spec, tasks = _select_tasks(args)
     config = LaunchConfig(spec=spec, tasks=tasks, command=tuple(command),
                           max_restarts=args.max_restarts, log_dir=args.log_dir,

@@ -43,6 +43,8 @@ def is_quieted(line: str) -> bool:
 
 
 GRACE_ENV = "DISTRIB_TF_GRACE_SECONDS"  # Seconds from SIGTERM to SIGKILL, for the tasks.
+# A scheduler's SIGTERM, and SIGHUP (the ssh session or terminal gone): the tasks save, exit 75.
+SAVING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +251,7 @@ def _run(config: LaunchConfig, console: console_lib.Sink) -> LaunchResult:
     def record(signum, frame):
         received.append(signum)
 
-    previous = {sig: signal.signal(sig, record) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, record) for sig in (signal.SIGINT, *SAVING_SIGNALS)}
     first_failure = None
     attempt = restarts = port_retries = 0
     try:
@@ -312,9 +314,13 @@ def _stop_on_signal(group, signum, config, attempt, first_failure, console) -> L
     if all(code == exit_codes.OK for code in codes):  # They had finished: nothing to resume.
         _say(f"every task succeeded (attempt {attempt})", console)
         return LaunchResult(exit_codes.OK, attempt, first_failure)
-    if signum == signal.SIGTERM and exit_codes.PREEMPTED in codes:
+    saved = exit_codes.PREEMPTED in codes and all(code in (exit_codes.OK, exit_codes.PREEMPTED) for code in codes)
+    if signum in SAVING_SIGNALS and saved:
         _say("preempted: every worker saved its state; start the job again to resume", console)
         return LaunchResult(exit_codes.PREEMPTED, attempt, first_failure)
+    ended = "; ".join(TaskExit(task, code, []).describe() for task, code in zip(group.procs, codes))
+    _say(f"{signal.Signals(signum).name}: not every task saved its state ({ended}): exit code "
+         f"{exit_codes.INTERRUPTED}", console)
     return LaunchResult(exit_codes.INTERRUPTED, attempt, first_failure)
 
 

@@ -52,9 +52,16 @@ def describe(error: BaseException, task: str) -> str:
     return str(error)
 
 
-def exit_for(error: BaseException, task: str, *, program: str) -> None:
+def exit_for(error: BaseException, task: str, *, program: str, strategy=None, is_chief: bool = False) -> None:
     """Prints `error`'s line, emits the `failed` event and exits with its code; returns only
-    for an error that is not one of `classify`'s (after emitting its first line)."""
+    for an error that is not one of `classify`'s (after emitting its first line).
+
+    A preempted worker of several (`strategy` spans processes) leaves at once, without the
+    interpreter's teardown, the chief (the coordination service's host) a moment after the
+    others: its backup is on the disk, and a teardown that waits on tf.data's threads or on
+    a coordination service already gone could outlast the scheduler's grace and end the
+    task by SIGKILL, a code that no longer says "saved".
+    """
     code = classify(error)
     if code is None:
         first_line = next(iter(str(error).strip().splitlines()), "")
@@ -65,10 +72,22 @@ def exit_for(error: BaseException, task: str, *, program: str) -> None:
         # A task gets SIGTERM twice (its process group's, and its init's forwarded copy), and
         # the interpreter's teardown restores SIGTERM's default, which would end it by the signal.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if strategy is not None and _spans_processes(strategy):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            if is_chief:
+                time.sleep(LEAVE_CHIEF_AFTER_SECONDS)
+            os._exit(code)
     else:
         print(f"{program}: error: {describe(error, task)}", file=sys.stderr, flush=True)
         events.emit("failed", error=describe(error, task))
     sys.exit(code)
+
+
+def _spans_processes(strategy) -> bool:
+    from distrib_tf.keras import phases  # pylint: disable=import-outside-toplevel
+
+    return phases.is_multi_worker(strategy)
 
 
 LEAVE_BARRIER_MS = 60_000

@@ -42,6 +42,7 @@ import keras
 
 from distrib_tf import cluster
 from distrib_tf import events
+from distrib_tf import lifeline
 from distrib_tf.data import examples as examples_lib
 from distrib_tf.data import pipeline
 from distrib_tf.data import registry
@@ -118,6 +119,8 @@ class Run:
         except ValueError as e:
             raise InvalidRun(str(e)) from e
         preemption.reclaim_sigterm()
+        lifeline.die_with_parent()  # Started by a parent that asked (a Ray worker): SIGTERM when it dies.
+        preemption.watch_peers(self.strategy)  # One worker's SIGTERM, in any phase, is every worker's.
         keras.utils.set_random_seed(seed)
         self._describe_tasks()
         self.backup_dir = os.path.join(self.model_dir, "backup", backup.task_dirname(self.task))
@@ -221,12 +224,14 @@ class Run:
         run_id = options.run_id or self._identity(model, train, global_batch_size, steps)
         self.run_id = run_id
         with preemption.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.
-            if self.is_chief:
-                os.makedirs(self.model_dir, mode=0o700, exist_ok=True)
+            backup.make_private_dirs(self.model_dir, tighten=True)  # Every worker's: its backups live there.
+            grace = float(os.environ.get(preemption.GRACE_ENV) or 60)
+            self._lock = backup.hold(self.backup_dir, wait_seconds=2 * grace)  # A task's old process ends first.
             source = self._source = backup.resume_source(self.backup_dir, run=run_id, tasks=self.replica_tasks)
             start_step = backup.agree_on_resume(model, source, run=run_id, task=self.task)
         if start_step:
-            moved = "" if source == self.backup_dir else " (a task this layout does not have)"
+            moved = ("" if source == self.backup_dir else " (a task this layout does not have)") if (
+                backup.list_backups(source)) else " (none here: the state came from a worker that holds it)"
             print(f"{self.task} resumes at step {start_step} (epoch {start_step // steps + 1}, "
                   f"step {start_step % steps} of it) from {source}{moved}", flush=True)
         self.resumed_at_step = start_step
@@ -376,6 +381,7 @@ class Run:
         # at a barrier (an export may take longer than a collective timeout). A job killed
         # before this resumes at its last step on every worker and writes them again.
         phases.enter(self.strategy, "outputs_written")
+        preemption.stop_watching()
         backup.remove_backups(self.backup_dir)
         if self._source != self.backup_dir:  # Resumed on another layout: the gone tasks' go too.
             backup.remove_gone(self.backup_dir, run=self.run_id, tasks=self.replica_tasks)
@@ -392,7 +398,7 @@ class Run:
             return False
         if self.exit_codes and isinstance(error, Exception):
             program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else "python"
-            ending.exit_for(error, self.task, program=program)
+            ending.exit_for(error, self.task, program=program, strategy=self.strategy, is_chief=self.is_chief)
         return False
 
 

@@ -28,6 +28,7 @@ import distrib_tf
 from distrib_tf import cluster
 from distrib_tf import events
 from distrib_tf import exit_codes
+from distrib_tf import lifeline
 from distrib_tf.train.config import MODELS
 from distrib_tf.train.config import TrainConfig
 
@@ -67,6 +68,8 @@ def define_flags():
     flags.DEFINE_float("outer_momentum", None, "With --outer_optimizer=nesterov.")
     flags.DEFINE_enum("allreduce_dtype", "float32", ["float32", "bfloat16", "float16"],
                       "Type gradients travel in, with --sync=step.")
+    flags.DEFINE_float("evaluator_idle_seconds", 3600.0, "An evaluator task gives up (exit 0, training goes on) "
+                       "after this long without a new checkpoint, or 3 times the longest wait between two seen.")
     flags.DEFINE_string("profile_steps", None, "A,B: a TensorBoard profile of steps A to B (1-based) on "
                         "every worker, in model_dir/logs/<task>/.")
 
@@ -96,6 +99,7 @@ def _parse_flags(argv):
 def main(argv):
     early_sigterm = []  # Until TensorFlow is imported; then `preemption` takes over.
     signal.signal(signal.SIGTERM, lambda signum, frame: early_sigterm.append(signum))
+    lifeline.die_with_parent()  # Started by a Ray worker: SIGTERM (a backup, exit 75) when it dies.
     absl_logging.set_verbosity(absl_logging.WARNING)  # TensorFlow's INFO lines drown the progress.
     distrib_tf.log_to_stderr()
     if len(argv) > 1:
@@ -131,12 +135,15 @@ def main(argv):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         summary = run_job(job)
-    except evaluator.EvaluatorTimeout as e:
-        _fail(str(e), exit_codes.FAILED)
+    except evaluator.EvaluatorTimeout as e:  # Its own loss: the training tasks go on (exit 0).
+        print(f"distrib-tf-train: warning: {e}; the evaluator gives up, training goes on", file=sys.stderr,
+              flush=True)
+        events.emit("evaluator_gave_up", error=str(e))
+        os._exit(exit_codes.OK)
     except Exception as e:  # 2, 65 and 75 with one line; else the root cause, then the traceback.
         if (message := records.data_error_in(e)) is not None:  # A shard changed after prepare.
             _fail(f"{job.task}: {message}", now=True)
-        ending.exit_for(e, job.task, program="distrib-tf-train")
+        ending.exit_for(e, job.task, program="distrib-tf-train", strategy=job.strategy, is_chief=job.is_chief)
         raise
     if job.is_chief and "accuracy" in summary.get("final", {}):
         chance = f" (chance {1 / job.info.num_classes:.4f})" if hasattr(job.info, "num_classes") else ""

@@ -52,6 +52,7 @@ class TrainConfig:
     outer_momentum: float | None = None
     allreduce_dtype: str = "float32"
     profile_steps: str | None = None
+    evaluator_idle_seconds: float = 3600.0
 
     @property
     def dtype_policy(self) -> str:
@@ -70,6 +71,8 @@ class TrainConfig:
                 _check_positive_int(name, getattr(self, name))
         if not self.learning_rate > 0:
             invalid_flag("learning_rate", self.learning_rate, "a number > 0")
+        if not self.evaluator_idle_seconds > 0:
+            invalid_flag("evaluator_idle_seconds", self.evaluator_idle_seconds, "a number of seconds > 0")
         if self.collective_timeout is not None and not self.collective_timeout > 0:
             invalid_flag("collective_timeout", self.collective_timeout, "a number of seconds > 0")
         if self.mixed_precision not in MIXED_PRECISION:
@@ -155,7 +158,7 @@ class TrainConfig:
         """What a backup must match to be resumed: every field that changes the math."""
         fields = dataclasses.asdict(self)
         for name in ("epochs", "data_dir", "strategy", "cpu_replicas", "collective_timeout",
-                     "backup_every_steps", "on_nan", "max_rollbacks", "profile_steps"):
+                     "backup_every_steps", "on_nan", "max_rollbacks", "profile_steps", "evaluator_idle_seconds"):
             fields.pop(name)
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 

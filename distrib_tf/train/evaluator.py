@@ -76,16 +76,19 @@ def evaluate_checkpoints(model, dataset, *, steps: int, model_dir: str, last_epo
         last_epoch: return after the checkpoint of this epoch.
         run: the run's id (`TrainConfig.run_id()`): checkpoints of other runs are skipped.
         poll_seconds: how often to look for new checkpoints.
-        idle_seconds: raise `EvaluatorTimeout` after this long without a new one.
+        idle_seconds: raise `EvaluatorTimeout` after this long without a new one, or after
+            3 times the longest wait between two checkpoints seen so far where that is
+            longer (an epoch of two hours is waited for once one has been seen).
     """
     eval_dir = os.path.join(model_dir, "eval")
-    os.makedirs(eval_dir, mode=0o700, exist_ok=True)
+    backup.make_private_dirs(eval_dir)
     json_path = os.path.join(eval_dir, "eval.json")
     earlier = _read_json(json_path) or {}
     results = earlier.get("checkpoints", []) if earlier.get("run") == run else []
     done = {r["epoch"] for r in results}
     writer = tf.summary.create_file_writer(eval_dir)
     last_news = time.monotonic()
+    longest_gap = 0.0
     while last_epoch not in done:
         ended = _run_ended(model_dir, run)  # Read first: its checkpoints are all written by then.
         for epoch, path in _checkpoints(model_dir, run):
@@ -104,13 +107,15 @@ def evaluate_checkpoints(model, dataset, *, steps: int, model_dir: str, last_epo
                 json_path, {"run": run, "checkpoints": sorted(results, key=lambda r: r["epoch"])})
             print(f"evaluator: epoch {epoch} " + " ".join(
                 f"{k}={float(v):.4g}" for k, v in sorted(metrics.items())), flush=True)
+            longest_gap = max(longest_gap, time.monotonic() - last_news)
             last_news = time.monotonic()
         if last_epoch in done or ended:
             break
-        if time.monotonic() - last_news > idle_seconds:
+        patience = max(idle_seconds, 3 * longest_gap)
+        if time.monotonic() - last_news > patience:
             raise EvaluatorTimeout(
                 f"evaluator: no new checkpoint of this run in {os.path.join(model_dir, 'checkpoints')} "
-                f"for {idle_seconds:.0f} s (evaluated epochs {sorted(done) or 'none'} of {last_epoch}); "
+                f"for {patience:.0f} s (evaluated epochs {sorted(done) or 'none'} of {last_epoch}); "
                 "the evaluator must see the chief's model_dir (the chief's host, or a shared disk)")
         time.sleep(poll_seconds)
     writer.close()

@@ -154,7 +154,8 @@ def run_job(job: Job) -> dict:
         model = build_compiled_model(config, job.info, run.strategy)
         results = evaluator.evaluate_checkpoints(
             model, run.distribute(job.validation, global_batch_size=config.global_batch_size),
-            steps=job.validation_steps, model_dir=job.model_dir, last_epoch=config.epochs, run=config.run_id())
+            steps=job.validation_steps, model_dir=job.model_dir, last_epoch=config.epochs, run=config.run_id(),
+            idle_seconds=config.evaluator_idle_seconds)
         return {"evaluator": results}
     with preemption.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.
         keras.utils.set_random_seed(config.seed)  # The same initial weights whatever the data read.

@@ -96,12 +96,14 @@ def main():
     parser.add_argument("--inf_at_step", type=int, default=-1)
     parser.add_argument("--flaky", action="store_true")
     parser.add_argument("--on_nan", default="stop")
+    parser.add_argument("--global_batch_size", type=int, default=GLOBAL_BATCH)
     args = parser.parse_args()
+    batch = args.global_batch_size
 
     with distrib_tf.Run(args.model_dir, seed=0, backup_every_steps=5, on_nan=args.on_nan) as run:
         keras.config.set_dtype_policy("float64")
         with run.strategy.scope():
-            model = my_models.build(total_steps=args.epochs * STEPS)
+            model = my_models.build(total_steps=args.epochs * (my_models.ROWS // batch))
         x, y = my_models.arrays()
         if args.inf_at_step > 0 and not args.flaky:
             x["features"][worker1_example(args.inf_at_step)] = np.inf
@@ -114,10 +116,10 @@ def main():
             faults.append(Fault(args.sigterm_at_step, signal.SIGTERM))
         if args.kill_at_step > 0 and run.task == "worker:1":
             faults.append(Fault(args.kill_at_step, signal.SIGKILL, args.kill_marker))
-        history = run.fit(model, train, epochs=args.epochs, global_batch_size=GLOBAL_BATCH,
+        history = run.fit(model, train, epochs=args.epochs, global_batch_size=batch,
                           validation_data=validation, callbacks=[seen, *faults])
-        evaluated = model.evaluate(run.distribute(validation, global_batch_size=GLOBAL_BATCH),
-                                   steps=validation.steps_per_epoch(GLOBAL_BATCH), return_dict=True, verbose=0)
+        evaluated = model.evaluate(run.distribute(validation, global_batch_size=batch),
+                                   steps=validation.steps_per_epoch(batch), return_dict=True, verbose=0)
         run.save(model)
         weights = run.summary["weights_sha256"]
         print(f"{run.task} final weights sha256 {weights}", flush=True)
