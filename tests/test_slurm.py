@@ -158,7 +158,7 @@ def test_a_preemption_under_srun_saves_on_every_task_and_exits_75(tmp_path):
         slurm_spec_of_two(), command=["true"]).splitlines() if line.startswith("srun "))
     options = srun.split()[1:srun.split().index("distrib-tf-launch")]  # What the batch script passes srun.
     job = subprocess.Popen(["srun", "-n", "2", "--oversubscribe", f"--job-name={name}", "--time=10", *options,
-                            *LAUNCH, *_train(tmp_path / "run", "--epochs=3", "--steps_per_epoch=200")],
+                            *LAUNCH, *_train(tmp_path / "run", "--epochs=3", "--steps_per_epoch=100")],
                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -166,6 +166,7 @@ def test_a_preemption_under_srun_saves_on_every_task_and_exits_75(tmp_path):
             lines.append(line)
             if "worker:1 epoch 1/3" in line:
                 break
+        assert job.poll() is None, "".join(lines)[-3000:]
         job_id = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True,
                                 timeout=20).stdout.split()[0]
         subprocess.run(["scancel", "--signal=TERM", job_id], check=True, timeout=20)

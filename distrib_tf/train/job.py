@@ -110,6 +110,9 @@ def prepare_job(config: TrainConfig, model_dir: str) -> Job:
     data.check_global_batch_size(config.global_batch_size, run.strategy.num_replicas_in_sync)
     config.check_replicas(run.strategy.num_replicas_in_sync)  # Several GPUs of one host, too.
     steps = config.steps_per_epoch or train.steps_per_epoch(config.global_batch_size)
+    if steps * config.global_batch_size > train.num_examples:
+        invalid_flag("steps_per_epoch", steps, f"at most {train.num_examples // config.global_batch_size} steps of "
+                     f"{config.global_batch_size} in the {train.num_examples} examples of {train.name}")
     config.profile_range(last_step=config.epochs * steps)
     validation_steps = validation.steps_per_epoch(config.global_batch_size) if validation is not None else 0
     return Job(config, model_dir, run, info, train, validation, steps, validation_steps)
