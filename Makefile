@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VENV_RAY := .venv-ray
 STAMP_RAY := $(VENV_RAY)/.installed
 
-.PHONY: install train test test-fast test-compat test-ray test-engines soak bench bench-data bench-layout bench-scaling bench-sync bench-overhead lint clean
+.PHONY: install train test test-fast test-compat test-ray test-engines soak bench bench-data bench-layout bench-scaling bench-sync bench-overhead bench-resize lint clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,10 @@ bench-sync: $(STAMP)
 # What each of our per-step additions costs, switched off one at a time (benchmarks/overhead.py).
 bench-overhead: $(STAMP)
 	$(PY) benchmarks/overhead.py
+
+# From a restart to the first step after a preemption on 2 workers: on 1, 2 and 3 (benchmarks/resize.py).
+bench-resize: $(STAMP)
+	$(PY) benchmarks/resize.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check distrib_tf tests benchmarks

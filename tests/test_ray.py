@@ -160,15 +160,16 @@ def test_main_job_on_two_nodes_then_a_killed_worker_resumes_from_the_backups(clu
     assert summary["weights_sha256"] == prints[-1]
 
 
-def _task_process(tag: str, index: int) -> int | None:
-    """The pid of the main job's task `worker:index` of the cluster tagged `tag`."""
+def _task_process(tag: str, index: int, program: bytes = b"distrib_tf.train") -> int | None:
+    """The pid of the task `worker:index` (of the main job, or the script `program`) of the
+    cluster tagged `tag`."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read().split(b"\0")
-            if b"distrib_tf.train" not in cmdline:
+            if program not in cmdline:
                 continue
             with open(f"/proc/{entry}/environ", "rb") as f:
                 environ = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
@@ -243,3 +244,35 @@ def test_a_users_keras_fit_trains_under_ray(cluster):
     result = json.loads((out / "result.json").read_text())
     assert [m["epoch"] for m in result["history"]] == [1, 2], result  # One report per epoch.
     assert result["checkpoint_files"] == ["model.keras"], result  # Rank 0's model, by Ray.
+
+
+def test_a_users_script_on_the_run_api_is_preempted_and_restarted_under_ray(cluster):
+    """Issue 31: a user's script (tests/workers/my_script.py), not the main job, under
+    `distrib-tf-ray --script`: SIGTERM to both tasks, each backs up and exits 75, Ray restarts
+    the group as a preemption (`--max_failures=0`), the run resumes and ends on the weights
+    of the uninterrupted run, from both nodes."""
+    run, base, tag = cluster
+    script = os.path.join(ROOT, "tests", "workers", "my_script.py")
+    reference = _finish(run(["-m", "distrib_tf.deploy.ray_train", "--num_workers=2", "--max_failures=0",
+                             f"--storage_path={base / 'storage'}", "--name=mine-reference", f"--script={script}",
+                             "--", f"--model_dir={base / 'storage' / 'mine-reference'}", "--epochs=10"]))
+    expected = set(_fingerprints(reference))
+    assert len(expected) == 1 and len(_fingerprints(reference)) == 2, reference[-5000:]
+    model_dir = base / "storage" / "mine"
+    proc = run(["-m", "distrib_tf.deploy.ray_train", "--num_workers=2", "--max_failures=0",
+                f"--storage_path={base / 'storage'}", "--name=mine", f"--script={script}", "--",
+                f"--model_dir={model_dir}", "--epochs=10"])
+    deadline, tasks = time.monotonic() + 300, []
+    while time.monotonic() < deadline and proc.poll() is None:
+        tasks = [_task_process(tag, i, script.encode()) for i in (0, 1)]
+        if all(tasks) and max(_backups(tasks[1], model_dir / "backup" / "worker-1"), default=0) > 0:
+            break
+        time.sleep(0.2)
+    for pid in tasks:
+        os.kill(pid, signal.SIGTERM)
+    output = _finish(proc)
+    assert proc.returncode == 0, output[-5000:]
+    assert re.search(r"preempted: backed up step (\d+) like every worker", output), output[-5000:]
+    assert "every failed rank exited 75 (preempted): restart 1, not a failure" in output, output[-5000:]
+    assert re.search(r"worker:\d resumes at step [1-9]", output), output[-5000:]
+    assert set(_fingerprints(output)[-2:]) == expected, output[-5000:]  # Both nodes, the same weights.

@@ -25,9 +25,10 @@ ranks afresh on a restart, so the tasks are numbered in the order of their nodes
 addresses (`node_ordered`) and come back to the disk where their backups are. With nodes
 that change, give `--model_dir` on a disk every node sees.
 
-Start the main job on the Ray cluster at `--address`:
+Start the main job, or a user's script on `distrib_tf.Run`, on the Ray cluster at `--address`:
 
     distrib-tf-ray --num_workers=2 -- --model=cnn --model_dir=/tmp/runs/cnn
+    distrib-tf-ray --num_workers=2 --script=my_script.py -- --model_dir=/tmp/runs/mine
 
 No TensorFlow in this module: the job runs in the child.
 """
@@ -64,7 +65,9 @@ class JobExit(RuntimeError):
 
 
 def main_job_loop(config: dict) -> None:
-    """Ray Train's `train_loop_per_worker` for `python -m distrib_tf.train *config["argv"]`."""
+    """Ray Train's `train_loop_per_worker` for `python -m distrib_tf.train *config["argv"]`, or
+    for a user's script on `distrib_tf.Run` (`python config["script"] *config["argv"]`), whose
+    events, exit codes and chief outputs are the main job's."""
     import ray.train  # pylint: disable=import-outside-toplevel
 
     context = ray.train.get_context()
@@ -74,7 +77,8 @@ def main_job_loop(config: dict) -> None:
     env["TF_CONFIG"] = json.dumps(node_ordered(json.loads(os.environ["TF_CONFIG"])))
     env[events.FD_ENV] = events.pipe_name(write_end)
     env[lifeline.PARENT_ENV] = str(os.getpid())  # The child gets SIGTERM if this Ray worker dies.
-    child = subprocess.Popen([sys.executable, "-m", "distrib_tf.train", *config["argv"]], env=env,
+    program = [config["script"]] if config.get("script") else ["-m", "distrib_tf.train"]
+    child = subprocess.Popen([sys.executable, *program, *config["argv"]], env=env,
                              pass_fds=(write_end,), start_new_session=True)
     os.close(write_end)
     finished = None
@@ -99,10 +103,11 @@ def main_job_loop(config: dict) -> None:
         checkpoint = None
         if finished.get("summary"):  # The chief's.
             model_dir = os.path.dirname(finished["summary"])
-            for name in CHECKPOINT_FILES:
-                shutil.copy(os.path.join(model_dir, name), directory)
+            for name in CHECKPOINT_FILES:  # A user's script may save no model.
+                if os.path.exists(os.path.join(model_dir, name)):
+                    shutil.copy(os.path.join(model_dir, name), directory)
             checkpoint = ray.train.Checkpoint.from_directory(directory)
-        ray.train.report({"final": True, **finished["final"]}, checkpoint=checkpoint)
+        ray.train.report({"final": True, **(finished.get("final") or {})}, checkpoint=checkpoint)
 
 
 def node_ordered(tf_config: dict) -> dict:
@@ -222,7 +227,7 @@ def main(argv=None) -> int:
     """Console script `distrib-tf-ray`: the main job on a Ray cluster."""
     parser = argparse.ArgumentParser(
         prog="distrib-tf-ray", description="Runs the main job under Ray Train.",
-        usage="distrib-tf-ray [--address=auto] --num_workers=N -- [distrib_tf.train flags]")
+        usage="distrib-tf-ray [--address=auto] --num_workers=N [--script=PATH] -- [flags]")
     parser.add_argument("--address", default="auto", help="the Ray cluster (ray.init's address)")
     parser.add_argument("--num_workers", type=int, required=True)
     parser.add_argument("--cpus_per_worker", type=float, default=1)
@@ -230,16 +235,27 @@ def main(argv=None) -> int:
     parser.add_argument("--storage_path", default=os.path.abspath("runs/ray"),
                         help="where Ray keeps the run and its checkpoint (a path every node sees)")
     parser.add_argument("--name", default="distrib_tf")
+    parser.add_argument("--script", default=None,
+                        help="a user's script on distrib_tf.Run instead of the main job; the flags go to it")
     parser.add_argument("job_flags", nargs="*")
     args = parser.parse_args(argv)
     if args.num_workers < 1:
         parser.error(f"--num_workers: got {args.num_workers}, expected 1 or more")
+    if args.script and not os.path.isfile(args.script):
+        parser.error(f"--script: got {args.script!r}, expected a Python file on every node")
     import ray  # pylint: disable=import-outside-toplevel
 
-    ray.init(address=args.address, log_to_driver=True)
+    try:
+        ray.init(address=args.address, log_to_driver=True)
+    except (ConnectionError, RuntimeError, ValueError) as e:  # Issue 33 item 8: one line, not a traceback.
+        print(f"distrib-tf-ray: error: Cannot connect to the Ray cluster at --address={args.address!r}: "
+              f"{str(e).splitlines()[0][:200]}. Expected a running cluster (`ray start --head`) or "
+              "--address=local.", file=sys.stderr)
+        return exit_codes.USAGE
     try:
         result = trainer(main_job_loop, num_workers=args.num_workers,
-                         config={"argv": args.job_flags}, storage_path=args.storage_path,
+                         config={"argv": args.job_flags, "script": args.script and os.path.abspath(args.script)},
+                         storage_path=args.storage_path,
                          name=args.name, max_failures=args.max_failures,
                          cpus_per_worker=args.cpus_per_worker).fit()
     except Exception as e:  # pylint: disable=broad-except  (Ray's TrainingFailedError)

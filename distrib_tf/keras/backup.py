@@ -204,39 +204,30 @@ class WorkerBackup(keras.callbacks.Callback):
                     os.remove(path)
 
 
-LOCK = ".lock"
-
-
-def hold(directory: str, *, wait_seconds: float = 120.0):
-    """Holds `directory` (an exclusive `flock` on its `.lock`) for as long as this process
-    runs, waiting up to `wait_seconds` for a process that holds it to end: two processes of
-    one task (a worker stopping beside its replacement, under Ray) never write or prune the
-    same backups. Returns the open lock file (keep it).
+def hold(directory: str, *, wait_seconds: float = 120.0) -> int:
+    """Holds `directory` (an exclusive `flock` on the directory itself, no file added) for as
+    long as this process runs, waiting up to `wait_seconds` for a process that holds it to
+    end: two processes of one task (a worker stopping beside its replacement, under Ray)
+    never write or prune the same backups. Returns the descriptor that holds it (keep it).
 
     Raises:
         ResumeError: another process still holds it after `wait_seconds`.
     """
     make_private_dirs(directory)
-    lock = open(os.path.join(directory, LOCK), "a+", encoding="utf-8")  # pylint: disable=consider-using-with
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     deadline = time.monotonic() + wait_seconds
     while True:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
         except BlockingIOError:
             if time.monotonic() > deadline:
-                lock.seek(0)
-                holder = lock.read().strip() or "unknown"
-                lock.close()
-                raise ResumeError(f"Cannot resume: another process (pid {holder}) still holds {directory} after "
-                                  f"{wait_seconds:.0f} s. Expected it to end first (a task of this job still "
-                                  "running): stop it, or wait for it.") from None
+                os.close(fd)
+                raise ResumeError(f"Cannot resume: another process still holds {directory} after "
+                                  f"{wait_seconds:.0f} s. Expected it to end first (a process of this task "
+                                  "still running, such as one a restarted Ray worker left): stop it, or wait "
+                                  "for it.") from None
             time.sleep(0.2)
-    lock.seek(0)
-    lock.truncate()
-    lock.write(str(os.getpid()))
-    lock.flush()
-    return lock
 
 
 def write_json_atomically(path: str, content: dict) -> None:
@@ -252,9 +243,8 @@ def write_json_atomically(path: str, content: dict) -> None:
 
 def remove_backups(directory: str) -> None:
     """Deletes this worker's backups once the run is over, and `backup/` once empty."""
-    for path in [*glob.glob(os.path.join(glob.escape(directory), "step-*")), os.path.join(directory, LOCK)]:
-        if os.path.exists(path):
-            os.remove(path)
+    for path in glob.glob(os.path.join(glob.escape(directory), "step-*")):
+        os.remove(path)
     for folder in (directory, os.path.dirname(directory)):
         try:
             os.rmdir(folder)

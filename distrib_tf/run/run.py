@@ -226,7 +226,7 @@ class Run:
         with preemption.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.
             backup.make_private_dirs(self.model_dir, tighten=True)  # Every worker's: its backups live there.
             grace = float(os.environ.get(preemption.GRACE_ENV) or 60)
-            self._lock = backup.hold(self.backup_dir, wait_seconds=2 * grace)  # A task's old process ends first.
+            self._held = backup.hold(self.backup_dir, wait_seconds=2 * grace)  # A task's old process ends first.
             source = self._source = backup.resume_source(self.backup_dir, run=run_id, tasks=self.replica_tasks)
             start_step = backup.agree_on_resume(model, source, run=run_id, task=self.task)
         if start_step:
@@ -385,7 +385,9 @@ class Run:
         backup.remove_backups(self.backup_dir)
         if self._source != self.backup_dir:  # Resumed on another layout: the gone tasks' go too.
             backup.remove_gone(self.backup_dir, run=self.run_id, tasks=self.replica_tasks)
-        events.emit("finished", final=self.summary.get("final"), summary=path if self.is_chief else None)
+        final = self.summary.get("final") or {  # The last epoch's logs, where the script evaluated nothing.
+            k: v for k, v in (self.summary.get("epochs") or [{}])[-1].items() if k != "epoch"}
+        events.emit("finished", final=final, summary=path if self.is_chief else None)
 
     def __enter__(self):
         return self
