@@ -342,3 +342,12 @@ def test_an_evaluator_that_would_never_see_a_checkpoint_is_refused(engine):
     assert result.returncode == 2 and result.stdout == "", result.stderr
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "Received: an evaluator task" in errors[0], result.stderr
+
+
+def test_ray_num_workers_is_a_count_or_an_elastic_range():
+    from distrib_tf.deploy import ray_train  # pylint: disable=import-outside-toplevel  (no Ray needed)
+
+    assert ray_train.parse_num_workers("2") == 2 and ray_train.parse_num_workers("1:4") == (1, 4)
+    for bad in ("0", "3:2", "a", "1:", ":2", "-1"):
+        with pytest.raises(ValueError, match="Expected N, or MIN:MAX"):
+            ray_train.parse_num_workers(bad)

@@ -41,6 +41,7 @@ def _wait_for(path, pattern, timeout, procs):
     raise AssertionError(f"{pattern!r} did not appear in {timeout} s:\n{_read(path)[-3000:]}")
 
 
+@pytest.mark.slow  # 40 s: make soak; make test's own-disk cases are tests/test_run.py's (mount namespaces).
 def test_hosts_with_their_own_disks_resume_from_one_point(tmp_path):
     reason = netns.available()
     if reason:

@@ -179,6 +179,7 @@ def test_each_fix_is_needed(tmp_path, fix, flags, failures):
                 assert json.load(f) == "TypeError: StrategyBase.reduce() missing 1 required positional argument: 'axis'"
 
 
+@pytest.mark.slow  # make soak, and make test-compat under the other Keras minors.
 def test_a_worker_slow_to_trace_or_to_save_is_waited_for_not_timed_out(tmp_path):
     """Each step function is traced on every worker, then they meet, then its collectives
     run; they meet again before the metrics reset that starts an evaluate: the collective
@@ -195,6 +196,7 @@ def test_a_worker_slow_to_trace_or_to_save_is_waited_for_not_timed_out(tmp_path)
 LOSS_SCALE_SCRIPT = os.path.join(os.path.dirname(__file__), "workers", "loss_scale.py")
 
 
+@pytest.mark.slow  # make soak, and make test-compat under the other Keras minors.
 def test_an_overflow_on_one_worker_skips_the_step_on_every_worker(tmp_path):
     """mixed_float16, an Inf in worker:1's batch of step 3 only: every worker skips that
     step, halves its loss scale and counts the step; the weights stay identical."""

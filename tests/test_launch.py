@@ -203,6 +203,7 @@ def test_two_hosts_form_one_cluster(tmp_path):
 
 
 @pytest.mark.multiworker
+@pytest.mark.slow  # 24 s: make soak.
 def test_a_port_taken_between_pick_and_bind_costs_no_restart(tmp_path):
     marker = tmp_path / "taken"
     take = os.path.join(ROOT, "tests", "workers", "take_port.py")

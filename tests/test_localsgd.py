@@ -63,6 +63,7 @@ def test_every_step_averaging_equals_synchronous_training_for_linear_optimizers(
         assert difference <= 1e-10, difference
 
 
+@pytest.mark.slow  # 24 s: make soak (the linear optimizers' equality runs in make test).
 def test_every_step_averaging_differs_from_synchronous_training_with_adam(tmp_path):
     synchronous = _run(tmp_path, "step", "adam")[0]["trainable"]
     averaged = _run(tmp_path, "every:1", "adam")[0]["trainable"]

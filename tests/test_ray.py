@@ -276,3 +276,48 @@ def test_a_users_script_on_the_run_api_is_preempted_and_restarted_under_ray(clus
     assert "every failed rank exited 75 (preempted): restart 1, not a failure" in output, output[-5000:]
     assert re.search(r"worker:\d resumes at step [1-9]", output), output[-5000:]
     assert set(_fingerprints(output)[-2:]) == expected, output[-5000:]  # Both nodes, the same weights.
+
+
+def _in_namespace(pid: int, namespace: str) -> bool:
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/run/netns/{namespace}").st_ino
+    except OSError:
+        return False
+
+
+def test_an_elastic_run_loses_a_node_goes_on_with_one_and_ends_on_the_uninterrupted_weights(cluster):
+    """Issue 32: `--num_workers=1:2` (Ray Train's elastic group). The worker node dies mid-run
+    (every process of it SIGKILLed); Ray restarts the group with the one worker it can have,
+    which resumes from its node's backup of worker:0 (a task the new layout does not have)
+    and ends within the float64 layout bound of the uninterrupted 2-worker run."""
+    from cluster_runner import checkpoint_arrays  # pylint: disable=import-outside-toplevel
+    from cluster_runner import weights_difference  # pylint: disable=import-outside-toplevel
+
+    run, base, tag = cluster
+    script = os.path.join(ROOT, "tests", "workers", "my_script.py")
+    common = ["-m", "distrib_tf.deploy.ray_train", "--max_failures=1", f"--storage_path={base / 'storage'}",
+              f"--script={script}"]
+    reference_dir = base / "storage" / "elastic-reference"
+    reference = _finish(run([*common, "--num_workers=2", "--name=elastic-reference", "--",
+                             f"--model_dir={reference_dir}", "--epochs=10"]))
+    assert len(_fingerprints(reference)) == 2, reference[-5000:]
+    model_dir = base / "storage" / "elastic"
+    proc = run([*common, "--num_workers=1:2", "--name=elastic", "--", f"--model_dir={model_dir}", "--epochs=10"])
+    deadline, worker = time.monotonic() + 300, None
+    while time.monotonic() < deadline and proc.poll() is None:
+        worker = _task_process(tag, 1, script.encode())
+        if worker and max(_backups(worker, model_dir / "backup" / "worker-1"), default=0) > 0:
+            break
+        time.sleep(0.2)
+    assert worker, "worker:1 never backed up"
+    namespace = next(n for n in os.listdir("/run/netns") if _in_namespace(worker, n))
+    for pid in _tagged(tag):  # The node is lost: its raylet, its Ray workers, the task.
+        if _in_namespace(pid, namespace):
+            _kill(pid)
+    output = _finish(proc)
+    assert proc.returncode == 0, output[-5000:]
+    assert re.search(r"chief:0 resumes at step [1-9]\d* .*a task this layout does not have", output), output[-5000:]
+    difference = weights_difference(checkpoint_arrays(model_dir / "checkpoints" / "epoch010.weights.h5"),
+                                    checkpoint_arrays(reference_dir / "checkpoints" / "epoch010.weights.h5"))
+    print(f"elastic: a node lost, the run went on with 1 worker: weights {difference:.2g} from 2 uninterrupted")
+    assert difference <= 1e-10  # tests/test_train.py, LAYOUT_CASES (float64).

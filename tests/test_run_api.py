@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import distrib_tf
+from distrib_tf.keras import backup as backup_lib
 from distrib_tf.run import InvalidRun
 from distrib_tf.run import schedules
 
@@ -127,3 +128,34 @@ def test_a_halved_schedule_keeps_its_shape_and_serializes():
     optimizer = keras.optimizers.AdamW(schedule)
     assert isinstance(schedules.schedule_of(optimizer), keras.optimizers.schedules.CosineDecay)
     assert schedules.schedule_of(keras.optimizers.Adam(1e-3)) is None
+
+
+@pytest.mark.parametrize("fresh_start", [False, True])
+def test_backups_of_the_run_are_resumed_unless_a_fresh_start_is_asked_for(tmp_path, capsys, fresh_start):
+    """Never silently start over (issue 32): beside a backup of step 6 of this run, `fit`
+    resumes there; `fresh_start=True` starts at 0 and says it deletes the backup."""
+    x, y = np.arange(64, dtype="float32").reshape(32, 2) / 64, np.ones(32, "float32")
+
+    def model_of(run):
+        with run.strategy.scope():
+            model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    first = distrib_tf.Run(tmp_path / "run", run_id="mine", exit_codes=False)
+    model = model_of(first)
+    keep = backup_lib.WorkerBackup(first.backup_dir, run="mine", task="chief:0", steps_per_epoch=4)
+    keep.set_model(model)
+    model.optimizer.build(model.trainable_variables)
+    model.optimizer.iterations.assign(6)
+    keep.step = 6
+    keep.save()
+    run = distrib_tf.Run(tmp_path / "run", run_id="mine", fresh_start=fresh_start, exit_codes=False)
+    run.fit(model_of(run), distrib_tf.data.from_arrays(x, y), epochs=2, global_batch_size=8, verbose=0)
+    said = capsys.readouterr().out
+    if fresh_start:
+        assert "chief:0 starts at step 0 (fresh_start): deleting its backups of steps [6]" in said, said
+        assert run.summary["resumed_at_step"] == 0
+    else:
+        assert "chief:0 resumes at step 6 (epoch 2, step 2 of it)" in said, said
+        assert run.summary["resumed_at_step"] == 6

@@ -91,6 +91,7 @@ def _started_at(output: str) -> list[str]:
 
 
 @pytest.mark.multiworker
+@pytest.mark.slow  # 28 s: make soak (the two-node job runs in make test).
 def test_two_jobs_at_once_on_one_node_get_their_own_ports(tmp_path):
     _one_node_slurm()
     jobs = [subprocess.Popen(["srun", "-n", "2", "--oversubscribe", "--kill-on-bad-exit=1", "--time=10",

@@ -118,6 +118,7 @@ def test_bad_input_exits_2_and_starts_nothing(tmp_path, args, message):
 
 
 @pytest.mark.multiworker
+@pytest.mark.slow  # 23 s: make soak, beside the grid test.
 def test_tpe_sampler_runs_trials(tmp_path):
     pytest.importorskip("optuna")
     result = _sweep("--space=learning_rate=loguniform(1e-4,1e-2)", "--sampler=tpe", "--trials=2",

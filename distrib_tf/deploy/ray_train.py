@@ -201,10 +201,31 @@ def _failure_policy(failure_config):
     return ExitCodePolicy(failure_config)
 
 
-def trainer(loop, *, num_workers: int, config: dict | None = None, storage_path: str,
+def parse_num_workers(text: str) -> int | tuple[int, int]:
+    """`"2"` -> 2; `"1:4"` -> (1, 4), Ray Train's elastic range. Pure.
+
+    Raises:
+        ValueError: not `N` or `MIN:MAX` with 1 <= MIN <= MAX.
+    """
+    low, colon, high = text.partition(":")
+    if low.isdigit() and (high.isdigit() if colon else True):
+        low_n, high_n = int(low), int(high or low)
+        if 1 <= low_n <= high_n:
+            return (low_n, high_n) if colon else low_n
+    raise ValueError(f"Invalid value for `--num_workers`. Received: {text!r}. Expected N, or MIN:MAX (Ray Train's "
+                     "elastic range) with 1 <= MIN <= MAX.")
+
+
+def trainer(loop, *, num_workers: int | tuple[int, int], config: dict | None = None, storage_path: str,
             name: str = "distrib_tf", max_failures: int = 3, cpus_per_worker: float = 1):
     """A Ray `TensorflowTrainer` running `loop` on `num_workers` ranks, restarted up to
-    `max_failures` times on a failure (preemptions apart) under our exit-code policy."""
+    `max_failures` times on a failure (preemptions apart) under our exit-code policy.
+
+    `num_workers=(MIN, MAX)`: Ray Train's elastic group, which restarts with the workers it
+    can have (a node lost: fewer; one back: more, checked every minute). Each restart
+    resumes from the workers' backups on any number of workers (`distrib_tf.keras.backup`):
+    a task with none gets the state from one that has it, a layout without the tasks that
+    wrote them reads theirs where its disk holds them."""
     # pylint: disable=import-outside-toplevel
     import ray.train
     from ray.train.tensorflow import TensorflowTrainer
@@ -227,9 +248,9 @@ def main(argv=None) -> int:
     """Console script `distrib-tf-ray`: the main job on a Ray cluster."""
     parser = argparse.ArgumentParser(
         prog="distrib-tf-ray", description="Runs the main job under Ray Train.",
-        usage="distrib-tf-ray [--address=auto] --num_workers=N [--script=PATH] -- [flags]")
+        usage="distrib-tf-ray [--address=auto] --num_workers=N|MIN:MAX [--script=PATH] -- [flags]")
     parser.add_argument("--address", default="auto", help="the Ray cluster (ray.init's address)")
-    parser.add_argument("--num_workers", type=int, required=True)
+    parser.add_argument("--num_workers", required=True, help="N, or MIN:MAX for Ray Train's elastic group")
     parser.add_argument("--cpus_per_worker", type=float, default=1)
     parser.add_argument("--max_failures", type=int, default=3)
     parser.add_argument("--storage_path", default=os.path.abspath("runs/ray"),
@@ -239,8 +260,10 @@ def main(argv=None) -> int:
                         help="a user's script on distrib_tf.Run instead of the main job; the flags go to it")
     parser.add_argument("job_flags", nargs="*")
     args = parser.parse_args(argv)
-    if args.num_workers < 1:
-        parser.error(f"--num_workers: got {args.num_workers}, expected 1 or more")
+    try:
+        num_workers = parse_num_workers(args.num_workers)
+    except ValueError as e:
+        parser.error(str(e))
     if args.script and not os.path.isfile(args.script):
         parser.error(f"--script: got {args.script!r}, expected a Python file on every node")
     import ray  # pylint: disable=import-outside-toplevel
@@ -253,7 +276,7 @@ def main(argv=None) -> int:
               "--address=local.", file=sys.stderr)
         return exit_codes.USAGE
     try:
-        result = trainer(main_job_loop, num_workers=args.num_workers,
+        result = trainer(main_job_loop, num_workers=num_workers,
                          config={"argv": args.job_flags, "script": args.script and os.path.abspath(args.script)},
                          storage_path=args.storage_path,
                          name=args.name, max_failures=args.max_failures,

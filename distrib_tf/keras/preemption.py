@@ -68,13 +68,29 @@ def _record(signum, frame):
     first = not _requested
     _requested = True
     if first and _peers_key is not None:  # Every worker, in whatever phase it is, is told.
-        threading.Thread(target=_set_once, args=(_peers_key, "sigterm"), daemon=True).start()
+        _telling.append(threading.Thread(target=_set_once, args=(_peers_key, "sigterm"), daemon=True))
+        _telling[-1].start()
     if _saved:
         raise Preempted(_saved[-1])
 
 
 _peers_key: str | None = None
+_telling: list = []  # The thread naming PEERS_KEY, once a SIGTERM came.
 PEERS_KEY = "distrib_tf/preempt/any"
+
+
+def told_peers(timeout: float = 5.0) -> None:
+    """Waits (at most `timeout` s) until the peers were told of this worker's SIGTERM: before a
+    preempted worker leaves at once, its key must be in the coordination service."""
+    for thread in _telling:
+        thread.join(timeout)
+
+
+def check(step: int | None) -> None:
+    """Raises `Preempted(step)` if a SIGTERM came (this worker's, or a peer's through
+    `watch_peers`): for a wait that a peer's departure ended with an error."""
+    if _requested:
+        raise Preempted(step)
 
 
 def watch_peers(strategy) -> None:

@@ -73,6 +73,9 @@ def exit_for(error: BaseException, task: str, *, program: str, strategy=None, is
         # the interpreter's teardown restores SIGTERM's default, which would end it by the signal.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if strategy is not None and _spans_processes(strategy):
+            from distrib_tf.keras import preemption  # pylint: disable=import-outside-toplevel
+
+            preemption.told_peers()  # The others learn of it from the key, not from a dead peer.
             sys.stdout.flush()
             sys.stderr.flush()
             if is_chief:

@@ -87,6 +87,8 @@ class Run:
             the seed and the sync mode.
         strategy, cpu_replicas, collective_timeout: passed to `make_strategy` (`kind`,
             `cpu_replicas`, `timeout_seconds`).
+        fresh_start: start at step 0 even beside backups of this run (each worker deletes
+            its own, and says so); by default a run always resumes from them, on any layout.
         exit_codes: leave the `with` block by the exit codes of `distrib_tf.run.ending`
             (default: yes, but not in Jupyter).
 
@@ -104,7 +106,8 @@ class Run:
                  outer_optimizer: str = "average", outer_learning_rate: float | None = None,
                  outer_momentum: float | None = None, allreduce_dtype: str = "float32",
                  run_id: str | None = None, strategy: str = "auto", cpu_replicas: int | None = None,
-                 collective_timeout: float | None = None, exit_codes: bool | None = None):
+                 collective_timeout: float | None = None, fresh_start: bool = False,
+                 exit_codes: bool | None = None):
         if not isinstance(model_dir, (str, os.PathLike)) or not str(model_dir):
             invalid("model_dir", model_dir, "a directory path")
         self.options = RunOptions(
@@ -112,6 +115,7 @@ class Run:
             sync=sync, outer_optimizer=outer_optimizer, outer_learning_rate=outer_learning_rate,
             outer_momentum=outer_momentum, allreduce_dtype=allreduce_dtype, run_id=run_id)
         self.model_dir = str(model_dir)
+        self.fresh_start = bool(fresh_start)
         self.exit_codes = (("ipykernel" not in sys.modules) if exit_codes is None else exit_codes)
         preemption.install_sigterm_handler()  # Reclaimed from TensorFlow's once the strategy is made.
         try:
@@ -227,7 +231,13 @@ class Run:
             backup.make_private_dirs(self.model_dir, tighten=True)  # Every worker's: its backups live there.
             grace = float(os.environ.get(preemption.GRACE_ENV) or 60)
             self._held = backup.hold(self.backup_dir, wait_seconds=2 * grace)  # A task's old process ends first.
-            source = self._source = backup.resume_source(self.backup_dir, run=run_id, tasks=self.replica_tasks)
+            if self.fresh_start and (held := backup.list_backups(self.backup_dir)):
+                print(f"{self.task} starts at step 0 (fresh_start): deleting its backups of steps "
+                      f"{[b['step'] for b in held]} in {self.backup_dir}", flush=True)
+                backup.remove_backups(self.backup_dir)
+                self._held = backup.hold(self.backup_dir, wait_seconds=2 * grace)
+            source = self._source = (self.backup_dir if self.fresh_start else
+                                     backup.resume_source(self.backup_dir, run=run_id, tasks=self.replica_tasks))
             start_step = backup.agree_on_resume(model, source, run=run_id, task=self.task)
         if start_step:
             moved = ("" if source == self.backup_dir else " (a task this layout does not have)") if (
@@ -379,8 +389,14 @@ class Run:
                 backup.write_json_atomically(path, self.summary)
         # Backups go only once the chief's outputs are written: every worker meets here first,
         # at a barrier (an export may take longer than a collective timeout). A job killed
-        # before this resumes at its last step on every worker and writes them again.
-        phases.enter(self.strategy, "outputs_written")
+        # before this resumes at its last step on every worker and writes them again; a
+        # worker waiting here when the chief is preempted in its export is preempted too.
+        with self.outputs():
+            try:
+                phases.enter(self.strategy, "outputs_written")
+            except Exception:  # pylint: disable=broad-except  (the chief gone: preempted, or dead)
+                preemption.check(self.step)
+                raise
         preemption.stop_watching()
         backup.remove_backups(self.backup_dir)
         if self._source != self.backup_dir:  # Resumed on another layout: the gone tasks' go too.

@@ -68,6 +68,8 @@ def define_flags():
     flags.DEFINE_float("outer_momentum", None, "With --outer_optimizer=nesterov.")
     flags.DEFINE_enum("allreduce_dtype", "float32", ["float32", "bfloat16", "float16"],
                       "Type gradients travel in, with --sync=step.")
+    flags.DEFINE_boolean("fresh_start", False, "Start at step 0 beside backups of this run in --model_dir (each "
+                         "worker deletes its own, and says so); by default the job resumes from them, on any layout.")
     flags.DEFINE_float("evaluator_idle_seconds", 3600.0, "An evaluator task gives up (exit 0, training goes on) "
                        "after this long without a new checkpoint, or 3 times the longest wait between two seen.")
     flags.DEFINE_string("profile_steps", None, "A,B: a TensorBoard profile of steps A to B (1-based) on "

@@ -53,6 +53,7 @@ class TrainConfig:
     allreduce_dtype: str = "float32"
     profile_steps: str | None = None
     evaluator_idle_seconds: float = 3600.0
+    fresh_start: bool = False
 
     @property
     def dtype_policy(self) -> str:
@@ -158,7 +159,8 @@ class TrainConfig:
         """What a backup must match to be resumed: every field that changes the math."""
         fields = dataclasses.asdict(self)
         for name in ("epochs", "data_dir", "strategy", "cpu_replicas", "collective_timeout",
-                     "backup_every_steps", "on_nan", "max_rollbacks", "profile_steps", "evaluator_idle_seconds"):
+                     "backup_every_steps", "on_nan", "max_rollbacks", "profile_steps", "evaluator_idle_seconds",
+                     "fresh_start"):
             fields.pop(name)
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
