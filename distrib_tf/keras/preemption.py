@@ -23,10 +23,13 @@ import contextlib
 import os
 import signal
 import threading
+import time
 
 import keras
 import tensorflow as tf
 from tensorflow.python.eager import context  # The coordination service's key-value store.
+
+from distrib_tf import exit_codes
 
 _requested = _installed = False
 _saved: list = []  # Innermost last: the step every worker's backup holds (`saved()`).
@@ -43,6 +46,62 @@ class Preempted(Exception):
                          else "preempted before training started: the backups are as they were")
         self.step = step
 
+    def describe(self, task: str) -> str:
+        """The one line a preempted task prints."""
+        saved = ("the backups are as they were" if self.step is None
+                 else f"backed up step {self.step} like every worker")
+        return f"{task} preempted: {saved}; start the job again to resume there (exit code {exit_codes.PREEMPTED})"
+
+
+STUCK_SECONDS = 3.0  # A SIGTERM inside `saved()` that the main thread has not acted on by then.
+_task = "this task"
+_leaving = False
+
+
+def set_task(task: str) -> None:
+    """Names this worker in the line a preemption prints (`worker:1`)."""
+    global _task
+    _task = task
+
+
+def leaving() -> None:
+    """The main thread is leaving on a preemption: the watchdog has nothing left to do."""
+    global _leaving
+    _leaving = True
+
+
+def _start_watchdog() -> None:
+    """A SIGTERM wakes a thread (Python's wakeup fd is written by the C-level handler, even
+    while the main thread waits inside TensorFlow); if the main thread, inside `saved()`, has
+    not left within `STUCK_SECONDS`, it is stuck in a wait that a peer's departure will never
+    end (a strategy waiting for a worker that was preempted during start-up, a barrier whose
+    chief left), and the thread ends the task with 75: nothing there changes the backups."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    try:
+        previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    except ValueError:  # Not the main thread.
+        os.close(read_end)
+        os.close(write_end)
+        return
+    if previous != -1:  # Someone else's (an event loop): leave it theirs.
+        signal.set_wakeup_fd(previous)
+        os.close(read_end)
+        os.close(write_end)
+        return
+    threading.Thread(target=_watch_for_stuck, args=(read_end,), name="distrib_tf-sigterm-watchdog",
+                     daemon=True).start()
+
+
+def _watch_for_stuck(read_end: int) -> None:
+    while signal.SIGTERM not in os.read(read_end, 64):
+        pass
+    time.sleep(STUCK_SECONDS)
+    if _saved and not _leaving:
+        told_peers()
+        print(Preempted(_saved[-1]).describe(_task), flush=True)
+        os._exit(exit_codes.PREEMPTED)
+
 
 def install_sigterm_handler() -> None:
     """SIGTERM then records that a preemption is coming, or raises inside `saved()`
@@ -53,6 +112,8 @@ def install_sigterm_handler() -> None:
     this after it, or `reclaim_sigterm()` once it is made.
     """
     global _installed
+    if not _installed:
+        _start_watchdog()
     _installed = True
     signal.signal(signal.SIGTERM, _record)
 

@@ -43,10 +43,7 @@ def describe(error: BaseException, task: str) -> str:
     """The one line printed for `error` (see `classify`)."""
     code = classify(error)
     if code == exit_codes.PREEMPTED:
-        saved = ("the backups are as they were" if error.step is None
-                 else f"backed up step {error.step} like every worker")
-        return (f"{task} preempted: {saved}; start the job again to resume there "
-                f"(exit code {exit_codes.PREEMPTED})")
+        return error.describe(task)
     if code == exit_codes.NONFINITE:
         return f"{task}: {error} Every worker stopped at this step."
     return str(error)
@@ -68,6 +65,9 @@ def exit_for(error: BaseException, task: str, *, program: str, strategy=None, is
         events.emit("failed", error=f"{type(error).__name__}: {first_line}")
         return
     if code == exit_codes.PREEMPTED:
+        from distrib_tf.keras import preemption  # pylint: disable=import-outside-toplevel
+
+        preemption.leaving()
         print(describe(error, task), flush=True)
         # A task gets SIGTERM twice (its process group's, and its init's forwarded copy), and
         # the interpreter's teardown restores SIGTERM's default, which would end it by the signal.

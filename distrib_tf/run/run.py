@@ -127,6 +127,7 @@ class Run:
         preemption.watch_peers(self.strategy)  # One worker's SIGTERM, in any phase, is every worker's.
         keras.utils.set_random_seed(seed)
         self._describe_tasks()
+        preemption.set_task(self.task)
         self.backup_dir = os.path.join(self.model_dir, "backup", backup.task_dirname(self.task))
         self.step = 0
         self.summary: dict = {}  # Written by the chief as `summary.json` at the end; add to it.

@@ -124,6 +124,7 @@ def main(argv):
 
     # SIGTERM exits 75 from here on, in any phase (`distrib_tf.keras.preemption`).
     preemption.install_sigterm_handler()
+    preemption.set_task(str(tf_config[1]) if tf_config else "chief:0")
     if early_sigterm:
         preemption.request()
     try:
