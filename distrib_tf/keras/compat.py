@@ -211,7 +211,19 @@ def _zeros_like_spec(spec):
 
 
 # Fix 2.
+_LOGS_REDUCED = "_distrib_tf_logs_reduced"  # On a strategy, while its train step is traced.
+
+
+def mark_logs_reduced(strategy, reduced: bool) -> None:
+    """Tells fix 2 that the training step being traced returns its logs already reduced
+    over the replicas (they travelled in the gradients' all-reduce: `distrib_tf.keras.step_logs`):
+    `fit` then takes this worker's values as they are, with no collective of its own."""
+    strategy.__dict__[_LOGS_REDUCED] = reduced
+
+
 def _reduce_per_replica(original, values, strategy, reduction):
+    if reduction == "auto" and strategy.__dict__.pop(_LOGS_REDUCED, False):
+        return tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0], values)
     if reduction in ("auto", "mean", "sum") and phases.is_multi_worker(strategy):
         op = "SUM" if reduction == "sum" else "MEAN"
         return _reduce_packed(strategy, op, values)

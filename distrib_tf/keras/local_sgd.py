@@ -49,6 +49,7 @@ from distrib_tf.keras import compat
 
 _MODE = "_distrib_tf_gradients"  # On an optimizer: "local", a dtype name, or absent.
 _CLOCK = "_distrib_tf_clock"  # On an optimizer: a float64 variable adding up all-reduce waits, or absent.
+_RIDER = "_distrib_tf_rider"  # On an optimizer: what else travels in its gradients' pack, or absent.
 
 
 class UnsupportedKeras(RuntimeError):
@@ -96,7 +97,11 @@ def _install(required: bool = True) -> bool:
             return keras_all_reduce(self, grads_and_vars)
         grads_and_vars = list(grads_and_vars)
         clock = getattr(self, _CLOCK, None)
-        reduced = reduce(self, grads_and_vars)
+        rider = getattr(self, _RIDER, None) if getattr(self, _MODE, None) is None else None
+        cargo = rider.board(grads_and_vars) if rider is not None else None
+        reduced = reduce(self, grads_and_vars + ([(cargo, None)] if cargo is not None else []))
+        if cargo is not None:
+            rider.alight(reduced.pop()[0])
         if clock is not None:
             _time_wait(clock, grads_and_vars, reduced)
         return reduced
@@ -146,6 +151,22 @@ def time_all_reduce(optimizer, clock) -> None:
             each.__dict__.pop(_CLOCK, None)
         else:  # Past __setattr__: the optimizer would track the variable and save it.
             each.__dict__[_CLOCK] = clock
+
+
+def carry_with_gradients(optimizer, rider) -> bool:
+    """Makes `rider` travel in `optimizer`'s gradient all-reduce (`None` stops it): at each
+    traced all-reduce of full-width gradients, `rider.board(grads_and_vars)` returns a 1-D
+    tensor of the gradients' type, or `None`; it joins their pack, and `rider.alight(sum)`
+    gets its sum over every replica. Compressed or skipped all-reduces (periodic sync) carry
+    nothing. Returns False on a Keras distrib_tf was not tested with (nothing is carried)."""
+    if not _install(required=False):
+        return False
+    for each in _inner_optimizers(optimizer):
+        if rider is None:
+            each.__dict__.pop(_RIDER, None)
+        else:  # Past __setattr__: the optimizer would track it.
+            each.__dict__[_RIDER] = rider
+    return True
 
 
 def _inner_optimizers(optimizer):

@@ -33,6 +33,7 @@ Example:
     >>> model.fit(..., callbacks=[StopOnNonFinite(workers=["worker:0", "worker:1"])])
 """
 
+import contextlib
 import math
 import weakref
 
@@ -81,6 +82,7 @@ class NonFiniteReplicas(keras.metrics.Metric):
         self.flags = self.add_variable(shape=(), initializer="zeros", name="flags")
         self.in_predictions = self.add_variable(shape=(), initializer="zeros", name="in_predictions")
         object.__setattr__(self, "_watched", ())  # Past Keras's tracking: not this metric's variables.
+        object.__setattr__(self, "_later", False)  # True: the weights are checked after the update, apart.
 
     def watch(self, variables) -> None:
         """Checks `variables` (the model's weights) too, at every update, from the next trace on."""
@@ -89,7 +91,7 @@ class NonFiniteReplicas(keras.metrics.Metric):
     def update_state(self, y_true, y_pred, sample_weight=None):
         in_predictions = tf.logical_not(_all_finite(tf.nest.flatten(y_pred)))
         bad = in_predictions
-        if self._watched:  # Read after the optimizer's update: the step's own ordering.
+        if self._watched and not self._later:  # Read after the optimizer's update: the step's own ordering.
             bad = tf.logical_or(bad, tf.logical_not(_all_finite([w.value for w in self._watched])))
         self.in_predictions.assign(tf.cast(in_predictions, self.dtype))
         self.flags.assign(tf.cast(bad, self.dtype))
@@ -125,6 +127,35 @@ def attach(model) -> NonFiniteReplicas:
     _ATTACHED[model] = metric
     model.train_function = model.test_function = None
     return metric
+
+
+@contextlib.contextmanager
+def weights_later(model):
+    """Inside, the model's `NonFiniteReplicas` checks the predictions only: its update runs
+    before the optimizer's (`distrib_tf.keras.step_logs`), and `check_weights_after_update`
+    checks the weights once the update is done."""
+    metric = find_metric(model)
+    if metric is None:
+        yield
+        return
+    object.__setattr__(metric, "_later", True)
+    try:
+        yield
+    finally:
+        object.__setattr__(metric, "_later", False)
+
+
+def check_weights_after_update(model, logs: dict) -> dict:
+    """`logs` (reduced over the replicas) with the check of the watched weights after the
+    update added to every `nonfinite_replicas` value and to this replica's flag. Under
+    synchronous training the weights are the same on every worker, so is this check."""
+    metric = find_metric(model)
+    if metric is None or not metric._watched:  # pylint: disable=protected-access
+        return logs
+    bad = tf.cast(tf.logical_not(_all_finite([w.value for w in metric._watched])),  # pylint: disable=protected-access
+                  metric.dtype)
+    metric.flags.assign(tf.maximum(metric.flags, bad))
+    return {k: tf.maximum(v, tf.cast(bad, v.dtype)) if k.endswith(METRIC) else v for k, v in logs.items()}
 
 
 def find_metric(model) -> NonFiniteReplicas | None:

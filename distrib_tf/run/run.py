@@ -53,6 +53,7 @@ from distrib_tf.keras import nonfinite
 from distrib_tf.keras import phases
 from distrib_tf.keras import preemption
 from distrib_tf.keras import progress
+from distrib_tf.keras import step_logs
 from distrib_tf.run import ending
 from distrib_tf.run import export
 from distrib_tf.run import schedules
@@ -226,6 +227,8 @@ class Run:
         options = self.options
         nonfinite.attach(model)
         local_sgd.compress_gradients(model.optimizer, options.allreduce_dtype)
+        if options.sync == "step" and options.allreduce_dtype == "float32" and phases.is_multi_worker(self.strategy):
+            step_logs.carry(model)  # One collective a step: the logs travel with the gradients.
         run_id = options.run_id or self._identity(model, train, global_batch_size, steps)
         self.run_id = run_id
         with preemption.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.

@@ -17,6 +17,7 @@ import distrib_tf
 from distrib_tf import data
 from distrib_tf.keras import nonfinite
 from distrib_tf.keras import progress
+from distrib_tf.keras import step_logs
 from distrib_tf.train.config import TrainConfig
 from distrib_tf.train.job import build_compiled_model
 
@@ -66,6 +67,7 @@ def main():
     config = TrainConfig(model=model_name)
     info = data.load_info(config.dataset)
     model = build_compiled_model(config, info, strategy)
+    step_logs.carry(model)  # As distrib_tf.Run.fit does under sync="step" on several workers.
     x, y = next(iter(data.load_source(info, "train").batch(GLOBAL_BATCH).take(1)))
     dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
     model.fit(dataset, epochs=1, steps_per_epoch=STEPS, verbose=0, callbacks=[
