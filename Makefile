@@ -45,7 +45,7 @@ test-ray: $(STAMP_RAY)
 # As root: the Kubernetes exports' pods as local processes, each engine's restart rules
 # played on them (tests/test_engines.py): a killed pod, a preemption, a bad flag.
 test-engines: $(STAMP)
-	$(PY) -m pytest -q --durations=5 -m engines tests/test_engines.py
+	$(PY) -m pytest -q --durations=5 -m engines tests/test_engines.py tests/test_slurm.py
 
 soak: $(STAMP)
 	DISTRIB_TF_SOAK_REPORT=soak_report.json $(PY) -m pytest -q -s -m slow

@@ -302,7 +302,11 @@ def _summary(engine):
 
 
 def _logs(engine):
-    return "\n".join(open(os.path.join(engine.base, f"pod{p.index}.log")).read() for p in engine.pods)
+    texts = []
+    for pod in engine.pods:
+        with open(os.path.join(engine.base, f"pod{pod.index}.log")) as f:
+            texts.append(f.read())
+    return "\n".join(texts)
 
 
 # What the engine does first when pod 1's container is killed (exit 137: an OOM kill, a
@@ -384,3 +388,36 @@ def test_a_bad_flag_fails_the_job_at_once(hosts, tmp_path, engine_name, expected
         cluster.close()
     assert outcome == "Failed", engine.log
     assert len(engine.log) == 1 and engine.log[0][1:] == (exit_codes.USAGE, expected), engine.log
+
+
+def test_a_jobset_exported_again_with_fewer_workers_resumes_from_the_same_claim(hosts, tmp_path):
+    """Issue 32 on Kubernetes: a 2-worker JobSet preempted (SIGTERM to each pod: 75 on both),
+    deleted, and exported again with 1 worker over the same claim: its pod mounts the first
+    pod's sub-path, finds worker:0's backups there and resumes at the step both backed up."""
+    engine = JobSetEngine("jobset", str(tmp_path))
+    cluster = Cluster(hosts, engine)
+    try:
+        for pod in engine.pods:
+            cluster.start(pod)
+        deadline = time.monotonic() + 300
+        while not any(step > 0 for step in _backups(engine.pods[1].volume, "worker-1")):
+            assert time.monotonic() < deadline and all(p.proc.poll() is None for p in engine.pods), _logs(engine)
+            time.sleep(0.2)
+        for pod in engine.pods:
+            pod.proc.send_signal(signal.SIGTERM)
+        codes = [pod.proc.wait(timeout=engine.grace + 30) for pod in engine.pods]
+    finally:
+        cluster.close()
+    assert codes == [exit_codes.PREEMPTED] * 2, (codes, _logs(engine)[-5000:])
+    saved = set(re.findall(r"worker:\d preempted: backed up step (\d+) like every worker", _logs(engine)))
+    assert len(saved) == 1, _logs(engine)[-5000:]
+    smaller = JobSetEngine("jobset", str(tmp_path), f"--cluster_spec={ROOT}/cluster_specs/local_1worker.json")
+    assert len(smaller.pods) == 1 and smaller.pods[0].volume == engine.pods[0].volume
+    cluster = Cluster(hosts, smaller)
+    try:
+        outcome = cluster.run(600)
+    finally:
+        cluster.close()
+    assert outcome == "Succeeded", (smaller.log, _logs(smaller)[-5000:])
+    summary = _summary(smaller)
+    assert summary["workers"] == 1 and summary["resumed_at_step"] == int(saved.pop()), summary

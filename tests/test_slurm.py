@@ -185,3 +185,45 @@ def slurm_spec_of_two():
     from distrib_tf.cluster import ClusterSpec  # pylint: disable=import-outside-toplevel
 
     return ClusterSpec.from_dict({"cluster": {"worker": ["127.0.0.1:0", "127.0.0.1:0"]}})
+
+
+@pytest.mark.engines  # make test-engines: two Slurm nodes, a preemption, a resume on one (about 1 min).
+@pytest.mark.multiworker
+def test_a_step_on_fewer_nodes_resumes_at_the_step_every_worker_backed_up(tmp_path, two_nodes):
+    """Issue 32 on Slurm: a job step on two nodes (one task each, the batch script's srun
+    options) gets SIGTERM in its first epoch (a preemption's warning): both tasks back up one
+    step, 75. The next allocation has one node (a requeue of `distrib-tf-export slurm
+    --nodes=1-2`, or any job on the same `--model_dir`): its one task resumes at that step."""
+    model_dir, name = tmp_path / "run", f"elastic-{os.getpid()}"
+    srun = next(line for line in slurm.batch_script(None, nodes=(1, 2), command=["true"]).splitlines()
+                if line.startswith("srun "))
+    options = srun.split()[1:srun.split().index("distrib-tf-launch")]
+    train = _train(model_dir, "--epochs=2", "--steps_per_epoch=30", "--backup_every_steps=5")
+    job = subprocess.Popen([*two_nodes, "srun", "-N", "2", "--ntasks-per-node=1", f"--job-name={name}", "--time=10",
+                            *options, *LAUNCH, *train],
+                           env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in job.stdout:
+            lines.append(line)
+            if "worker:1 epoch 1/2" in line:
+                break
+        assert job.poll() is None, "".join(lines)[-3000:]
+        job_id = subprocess.run([*two_nodes, "squeue", "-h", "-n", name, "-o", "%i"], env=ENV, capture_output=True,
+                                text=True, timeout=30).stdout.split()[0]
+        subprocess.run([*two_nodes, "scancel", "--signal=TERM", job_id], env=ENV, check=True, timeout=30)
+        output = "".join(lines) + job.communicate(timeout=200)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 75, output[-3000:]
+    saved = set(re.findall(r"(worker:\d) preempted: backed up step (\d+) like every worker", output))
+    assert {task for task, _ in saved} == {"worker:0", "worker:1"} and len({s for _, s in saved}) == 1, output[-3000:]
+    step = int(saved.pop()[1])
+    resumed = subprocess.run([*two_nodes, "srun", "-N", "1", "-n", "1", "--time=10", *options, *LAUNCH, *train],
+                             env=ENV, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert re.search(rf"(chief|worker):0 resumes at step {step} ", resumed.stdout), resumed.stdout[-3000:]
+    summary = json.loads((model_dir / "summary.json").read_text())
+    assert summary["workers"] == 1 and summary["resumed_at_step"] == step, summary

@@ -4,7 +4,7 @@ Usage:
 
     distrib-tf-export kubernetes --cluster_spec=PATH --image=IMAGE [--engine=job|jobset|trainjob|tfjob]
         [--name=NAME] [--port=2222] [--gpus_per_task=N] [--volume_claim=CLAIM] [--out=FILE] -- COMMAND ...
-    distrib-tf-export slurm --cluster_spec=PATH [--out=FILE] -- COMMAND ...
+    distrib-tf-export slurm (--cluster_spec=PATH | --nodes=MIN-MAX [--tasks_per_node=1]) [--out=FILE] -- COMMAND ...
 
 (`python -m distrib_tf.deploy` is the same.) What each engine gets: `distrib_tf.deploy.kubernetes`
 and `distrib_tf.deploy.slurm`. Bad input is one line on stderr and exit code 2.
@@ -49,8 +49,11 @@ def main(argv: list[str] | None = None) -> int:
                            "Training Operator TFJob")
     slurm_parser = engines.add_parser("slurm", help="an sbatch script with signal and requeue")
     slurm_parser.add_argument("--job_name", default="distrib_tf", help="sbatch --job-name")
-    for engine in (kube, slurm_parser):
-        engine.add_argument("--cluster_spec", required=True,
+    slurm_parser.add_argument("--nodes", help="N or MIN-MAX: any allocation in that range, each requeue "
+                                              "perhaps another size (instead of --cluster_spec)")
+    slurm_parser.add_argument("--tasks_per_node", type=int, default=1, help="with --nodes: tasks on each node")
+    for engine, required in ((kube, True), (slurm_parser, False)):
+        engine.add_argument("--cluster_spec", required=required,
                             help="a JSON spec or a shipped spec's name: how many tasks of each type")
         engine.add_argument("--out", help="write there (default: standard output)")
         engine.add_argument("command", nargs=argparsing.REMAINDER, help="-- COMMAND ...")
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         if not command:
             raise ValueError("Missing command. Expected `-- COMMAND ...`, for example "
                              "`-- python -m distrib_tf.train`.")
-        spec = ClusterSpec.load(args.cluster_spec)
+        spec = ClusterSpec.load(args.cluster_spec) if args.cluster_spec else None
         if args.target == "kubernetes":
             if not 0 < args.port < 65536:
                 raise ValueError(f"Invalid value for `--port`. Received: {args.port}. "
@@ -76,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                 gpus_per_task=args.gpus_per_task, max_restarts=args.max_restarts,
                 volume_claim=args.volume_claim), Dumper=_Dumper, sort_keys=False)
         else:
-            text = slurm.batch_script(spec, command=command, job_name=args.job_name)
+            text = slurm.batch_script(spec, command=command, job_name=args.job_name, tasks_per_node=args.tasks_per_node,
+                                      nodes=slurm.parse_nodes(args.nodes) if args.nodes else None)
     except ValueError as e:
         print(f"distrib-tf-export: error: {e}", file=sys.stderr)
         return exit_codes.USAGE

@@ -21,7 +21,11 @@ Every inconsistency is one `ClusterSpecError` line.
 `batch_script` (`distrib-tf-export slurm`) writes a batch script that runs one task per
 Slurm task through `distrib-tf-launch --slurm`; it asks Slurm for SIGTERM two minutes
 before a time limit or preemption (`--signal=TERM@120`) and requeues itself when the job
-exits 75.
+exits 75. With `nodes=(MIN, MAX)` (`--nodes=MIN-MAX`) it asks for an allocation of any size
+in that range and a number of tasks per node instead of a fixed count: a requeue that gets
+another number of nodes resumes there (every worker of the new size agrees on the step the
+old one backed up; `distrib_tf.keras.backup`), as long as its task count divides the global
+batch (else the job exits 2 and says so).
 
 No TensorFlow here.
 """
@@ -207,26 +211,59 @@ SIGNAL_SECONDS = 120  # `--signal=TERM@120`: the warning before a time limit or 
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
-def batch_script(spec: ClusterSpec, *, command: list[str], job_name: str = "distrib_tf") -> str:
-    """An `sbatch` script running one Slurm task per training task of `spec`.
+def parse_nodes(text: str) -> tuple[int, int]:
+    """`"2"` -> (2, 2); `"1-4"` -> (1, 4), Slurm's `--nodes=MIN-MAX`. Pure.
+
+    Raises:
+        ValueError: not `N` or `MIN-MAX` with 1 <= MIN <= MAX.
+    """
+    low, dash, high = text.partition("-")
+    if low.isdigit() and (high.isdigit() if dash else True) and 1 <= int(low) <= int(high or low):
+        return int(low), int(high or low)
+    raise ValueError(f"Invalid value for `--nodes`. Received: {text!r}. Expected N, or MIN-MAX (an allocation of "
+                     "any size in that range) with 1 <= MIN <= MAX.")
+
+
+def batch_script(spec: ClusterSpec | None, *, command: list[str], job_name: str = "distrib_tf",
+                 nodes: tuple[int, int] | None = None, tasks_per_node: int = 1) -> str:
+    """An `sbatch` script running one Slurm task per training task of `spec`, or, with
+    `nodes=(MIN, MAX)`, `tasks_per_node` tasks on each node of whatever allocation in that
+    range Slurm grants (each requeue may get another size).
 
     Raises:
         ValueError: a `job_name` that is not letters, digits, `_`, `.` or `-` (it goes into
-            an `#SBATCH` line and, through `%x`, into the output file's name).
+            an `#SBATCH` line and, through `%x`, into the output file's name); neither or
+            both of `spec` and `nodes`.
     """
     if not JOB_NAME.match(job_name):
         raise ValueError(f"Invalid value for `--job_name`. Received: {job_name!r}. Expected letters, digits, "
                          "'_', '.' or '-' (at most 128), starting with a letter or digit.")
-    tasks = spec.num_workers
+    if (spec is None) == (nodes is None):
+        raise ValueError("Invalid arguments: received " + ("both `--cluster_spec` and `--nodes`" if nodes else
+                         "neither `--cluster_spec` nor `--nodes`") + ". Expected one: a fixed number of tasks "
+                         "(`--cluster_spec`), or an allocation of MIN-MAX nodes (`--nodes`).")
+    if nodes is None:
+        size = [f"#SBATCH --ntasks={spec.num_workers}"]
+    else:
+        if tasks_per_node < 1:
+            raise ValueError(f"Invalid value for `--tasks_per_node`. Received: {tasks_per_node}. Expected an "
+                             "integer >= 1.")
+        low, high = nodes
+        size = [f"#SBATCH --nodes={low}-{high}" if low < high else f"#SBATCH --nodes={low}",
+                f"#SBATCH --ntasks-per-node={tasks_per_node}"]
+    elastic = [] if nodes is None or nodes[0] == nodes[1] else [
+        f"# Any allocation of {nodes[0]} to {nodes[1]} nodes: a requeue onto another size resumes where this",
+        "# one stopped, if its task count divides the global batch (else exit 2, nothing lost)."]
     return "\n".join([
         "#!/bin/bash",
         f"#SBATCH --job-name={job_name}",
-        f"#SBATCH --ntasks={tasks}",
+        *size,
         "#SBATCH --cpus-per-task=1",
         "#SBATCH --output=%x-%j.out",
         f"#SBATCH --signal=TERM@{SIGNAL_SECONDS}",
         "#SBATCH --requeue",
         "# One TensorFlow task per Slurm task; TF_CONFIG comes from the SLURM_* variables.",
+        *elastic,
         f"# --wait stops the other tasks {SIGNAL_SECONDS} s after the first one ends (not at once, as",
         f"# --kill-on-bad-exit would for an exit {exit_codes.PREEMPTED}, while the others still back up).",
         "# SIGTERM (120 s before a time limit or a preemption) makes every worker back up one",
