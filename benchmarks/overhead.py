@@ -12,6 +12,8 @@ the job starts (`--worker` mode below):
 - `no_progress`: the whole `Progress` callback (step timing, its exchange, events);
 - `no_finite_check`: `StopOnNonFinite`, the per-step finiteness check;
 - `no_culprit_metric`: the `NonFiniteReplicas` metric (one more logged value per step);
+- `no_logs_in_gradients`: the step's logs all-reduced in a pack of their own, after the
+  gradients' (two collectives a step, as before `distrib_tf.keras.step_logs`);
 - `none_of_ours`: all of the above at once;
 - `full_packed_<N>k`: the main job with its gradients all-reduced in packs of about N KiB,
   last layers first, so that a pack can travel while the backward pass goes on
@@ -48,7 +50,7 @@ from distrib_tf.cluster import ClusterSpec  # noqa: E402  (no TensorFlow here)
 PY = sys.executable
 PINNED = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": ROOT}
-ADDITIONS = ("step_timing", "progress", "finite_check", "culprit_metric")
+ADDITIONS = ("step_timing", "progress", "finite_check", "culprit_metric", "logs_in_gradients")
 VARIANTS = {"full": (), **{f"no_{name}": (name,) for name in ADDITIONS}, "none_of_ours": ADDITIONS,
             "full_packed_16k": ("pack=16384",), "full_packed_64k": ("pack=65536",)}
 
@@ -61,6 +63,7 @@ def switch_off(names) -> None:
 
     from distrib_tf.keras import nonfinite
     from distrib_tf.keras import progress
+    from distrib_tf.keras import step_logs
     from distrib_tf.train import job
 
     class Nothing(keras.callbacks.Callback):
@@ -77,6 +80,8 @@ def switch_off(names) -> None:
         progress.Progress._instrument_step = lambda self: None  # pylint: disable=protected-access
     if "finite_check" in names:
         job.nonfinite.StopOnNonFinite = Nothing
+    if "logs_in_gradients" in names:
+        step_logs.carry = lambda model: False
     if "culprit_metric" in names:
         compile_ = keras.Model.compile
 

@@ -74,6 +74,21 @@ def scaling_tables(scaling) -> list[str]:
             cell = row[model]
             lines.append(f"| {link} | {fmt(iperf, 0)} | {model} | {fmt(cell['one_worker_examples_per_second'], 0)} | "
                          f"{fmt(cell['two_workers_examples_per_second'], 0)} | {fmt(cell['efficiency'], 2)} |")
+    bounded = [(link, row) for link, row in scaling["links"].items() if "bound" in row["cnn"]]
+    if bounded:
+        lines += ["", "The bound: the step's collectives alone between the same pinned processes, and our efficiency "
+                  "as a fraction of the efficiency they allow:", "",
+                  "| link | model | one worker's step, ms | collectives alone, ms | gradient MB | bound (TF's) "
+                  "| efficiency | fraction of the bound | link's bound |", "| --- |" + " --- |" * 8]
+        for link, row in bounded:
+            for model in ("cnn", "transformer"):
+                cell = row[model]
+                step = {k: 32e3 / v for k, v in cell["one_worker_examples_per_second"].items() if k != "values"}
+                step["min"], step["max"] = step["max"], step["min"]
+                ms = {k: v * 1e3 for k, v in cell["collectives_step_seconds"].items() if k != "values"}
+                lines.append(f"| {link} | {model} | {fmt(step, 1)} | {fmt(ms, 1)} | {cell['gradient_bytes'] / 1e6:.2f} "
+                             f"| {fmt(cell['bound'], 2)} | {fmt(cell['efficiency'], 2)} | "
+                             f"{fmt(cell['fraction_of_bound'], 2)} | {fmt(cell['link_bound'], 2)} |")
     sizes = list(next(iter(scaling["links"].values()))["allreduce"])
     lines += ["", "All-reduce bus bandwidth / shaped rate:", "",
               "| link | " + " | ".join(f"{s} MB" for s in sizes) + " |", "| --- |" + " --- |" * len(sizes)]

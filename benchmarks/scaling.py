@@ -11,7 +11,15 @@ not compete. Per model and link, alternately, `--reps` times:
 - two pinned workers, one per host, by TF_CONFIG (global batch 64: 32 each).
 
 Weak-scaling efficiency = examples/s of the two / (2 x examples/s of the one), the
-training steps' rate from each run's summary (first epoch left out). Then the all-reduce
+training steps' rate from each run's summary (first epoch left out).
+
+The bound, in the same repetition: the step's collectives alone between the same two pinned
+processes (`step_collectives.py`: the model's gradients through the optimizer's all-reduce,
+then the logged values' pack, no compute), `c` seconds a step. With `t` the one worker's
+step, the efficiency these collectives allow is t / (t + c) (TensorFlow's collectives on this
+link and core), and ours is reported as a fraction of it. Beside it, the link's own bound:
+t / (t + gradient bytes / shaped rate) (a 2-rank ring sends each byte once each way), what a
+collective with no latency and no CPU cost would allow. Then the all-reduce
 bus bandwidth between the two hosts (`allreduce.py`) as a fraction of the shaped rate,
 beside the rate `iperf3 --bidir` measures each way over the same link. Writes
 `scaling.json` and `scaling.png`.
@@ -22,6 +30,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,7 +100,8 @@ def _tf_config(index: int, port: int = 2222) -> str:
     return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
 
 
-def train_rate(scratch, model, workers, *, epochs, steps, tag) -> float:
+def train_rate(scratch, model, workers, *, epochs, steps, tag) -> tuple[float, int]:
+    """The training steps' examples/s, and how many values a step logs."""
     model_dir = f"{scratch}/{tag}"
     flags = [f"--model={model}", f"--epochs={epochs}", f"--steps_per_epoch={steps}", f"--model_dir={model_dir}"]
     command = [PY, "-m", "distrib_tf.train", *flags]
@@ -100,7 +110,19 @@ def train_rate(scratch, model, workers, *, epochs, steps, tag) -> float:
     else:
         _wait([on_host(i, [*command, "--global_batch_size=64"], {"TF_CONFIG": _tf_config(i)}) for i in range(2)])
     with open(f"{model_dir}/summary.json") as f:
-        return json.load(f)["examples_per_second"]
+        summary = json.load(f)
+    logged = [k for k in summary["epochs"][0] if k != "epoch" and not k.startswith("val_")]
+    return summary["examples_per_second"], len(logged)
+
+
+def collectives_seconds(scratch, model, logged, steps, tag) -> tuple[float, int]:
+    """The median seconds of a step's collectives alone, and the gradient bytes (step_collectives.py)."""
+    out = f"{scratch}/{tag}.json"
+    command = [PY, os.path.join(HERE, "step_collectives.py"), model, str(logged), str(steps), out]
+    _wait([on_host(i, command, {"TF_CONFIG": _tf_config(i, 2400)}) for i in range(2)])
+    with open(out) as f:
+        measured = json.load(f)
+    return statistics.median(measured["step_seconds"]), measured["gradient_bytes"]
 
 
 def allreduce(scratch, sizes_mb, repeats, tag) -> dict:
@@ -144,7 +166,12 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=HERE)
+    parser.add_argument("--links", default=",".join(LINKS),
+                        help=f"comma-separated, of {', '.join(LINKS)}; links not run keep their rows in scaling.json")
     args = parser.parse_args(argv)
+    chosen = [link.strip() for link in args.links.split(",")]
+    if any(link not in LINKS for link in chosen):
+        sys.exit(f"benchmarks/scaling.py: --links={args.links!r}: expected some of {', '.join(LINKS)}")
     missing = [tool for tool in ("ip", "tc", "taskset", "iperf3") if shutil.which(tool) is None]
     if os.geteuid() != 0 or missing or (os.cpu_count() or 1) < 2:
         sys.exit("benchmarks/scaling.py: cannot run here: it needs root (network namespaces), "
@@ -152,7 +179,7 @@ def main(argv=None):
     reps = 1 if args.tiny else args.reps
     epochs, steps = (2, 4) if args.tiny else (3, 30)
     sizes = [0.25, 1] if args.tiny else [0.25, 1, 4, 16]
-    links = dict(list(LINKS.items())[1:2]) if args.tiny else LINKS
+    links = dict(list(LINKS.items())[1:2]) if args.tiny else {link: LINKS[link] for link in chosen}
     started = time.time()
     results = {"environment": environment(), "reps": reps, "links": {}}
     with tempfile.TemporaryDirectory() as scratch, two_hosts():
@@ -163,25 +190,47 @@ def main(argv=None):
                              client_prefix=["ip", "netns", "exec", HOSTS[1][0]]) for _ in range(reps)),
                 "shaped_bytes_per_second": bits / 8}
             for model in ("cnn", "transformer"):
-                one, two = [], []
+                one, two, collectives, logged, gradient_bytes = [], [], [], 0, 0
                 for rep in range(reps):
-                    for workers in ((1, 2) if rep % 2 == 0 else (2, 1)):
-                        rate_ = train_rate(scratch, model, workers, epochs=epochs, steps=steps,
-                                           tag=f"{rate}_{model}_{workers}_{rep}")
+                    for workers in ((1, 2, "c") if rep % 2 == 0 else ("c", 2, 1)):
+                        tag = f"{rate}_{model}_{workers}_{rep}"
+                        if workers == "c":  # The bound: the step's collectives alone.
+                            seconds, gradient_bytes = collectives_seconds(scratch, model, logged or 4,
+                                                                          40 if args.tiny else 300, tag)
+                            collectives.append(seconds)
+                            continue
+                        rate_, logged = train_rate(scratch, model, workers, epochs=epochs, steps=steps, tag=tag)
                         (one if workers == 1 else two).append(rate_)
+                efficiency = [b / (2 * a) for a, b in zip(one, two)]
+                step = [32 / a for a in one]  # The one worker's step: its batch is 32.
+                bound = [t / (t + c) for t, c in zip(step, collectives)]
                 row[model] = {"one_worker_examples_per_second": spread(one),
                               "two_workers_examples_per_second": spread(two),
-                              "efficiency": spread(b / (2 * a) for a, b in zip(one, two))}
+                              "efficiency": spread(efficiency),
+                              "collectives_step_seconds": spread(collectives), "gradient_bytes": gradient_bytes,
+                              "logged_values": logged,
+                              "bound": spread(bound),
+                              "fraction_of_bound": spread(e / b for e, b in zip(efficiency, bound)),
+                              "link_bound": spread(t / (t + gradient_bytes / (bits / 8)) for t in step)}
             times = allreduce(scratch, sizes, max(reps, 3), f"allreduce_{rate}")
             row["allreduce"] = {str(size): {
                 "bus_bytes_per_second": spread(size * 2**20 / s for s in times[str(size)]),
                 "fraction_of_link": spread(size * 2**20 / s / (bits / 8) for s in times[str(size)])}
                 for size in sizes}
             results["links"][link] = row
-            print(f"{link}: " + ", ".join(f"{m} efficiency {row[m]['efficiency']['median']:.2f}"
-                                          for m in ("cnn", "transformer")), flush=True)
+            print(f"{link}: " + ", ".join(
+                f"{m} efficiency {row[m]['efficiency']['median']:.2f}, bound {row[m]['bound']['median']:.2f}, "
+                f"fraction of it {row[m]['fraction_of_bound']['median']:.2f}" for m in ("cnn", "transformer")),
+                flush=True)
     results["seconds"] = time.time() - started
     os.makedirs(args.out, exist_ok=True)
+    try:  # Links not run this time keep their last rows.
+        with open(os.path.join(args.out, "scaling.json")) as f:
+            kept = json.load(f)["links"]
+        results["links"] = {link: results["links"].get(link) or kept[link]
+                            for link in LINKS if link in results["links"] or link in kept}
+    except (OSError, ValueError, KeyError):
+        pass
     with open(os.path.join(args.out, "scaling.json"), "w") as f:
         json.dump(results, f, indent=1)
     plot(results, os.path.join(args.out, "scaling.png"))

@@ -90,26 +90,48 @@ def plot(results, path):
 
     models = list(results["models"])
     columns = max(len(results["models"][model]) for model in models)
-    fig, axes = plt.subplots(len(models), columns, figsize=(4.5 * columns, 3.5 * len(models)), squeeze=False)
+    fig, axes = plt.subplots(len(models), columns, figsize=(5.5 * columns, 3.8 * len(models)), squeeze=False)
+    fig.suptitle("x: times sooner than step; final accuracy and its difference from step's. Blue: within 1 point "
+                 "(counts for the goal); orange: more than 1 point below; gray: target not reached", fontsize=9)
     for ax in axes.flat:
         ax.set_visible(False)
     for row, model in enumerate(models):
         for ax, link in zip(axes[row], results["models"][model]):
             ax.set_visible(True)
             _bars(ax, model, link, results["models"][model][link])
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=100)
+
+
+def judged(rows) -> dict:
+    """Each setting against `step`: how many times sooner it reaches the target, its final
+    accuracy's difference in points, and whether it counts for the goal (within 1 point)."""
+    step = rows["step"]
+    out = {}
+    for name, row in rows.items():
+        reached = row["seconds_to_target"]
+        points = 100 * (row["final_accuracy"] - step["final_accuracy"])
+        out[name] = {"speedup": step["seconds_to_target"] / reached if reached and step["seconds_to_target"] else None,
+                     "points": points, "counts": bool(reached) and points >= -1.0}
+    return out
 
 
 def _bars(ax, model, link, rows):
     names = list(rows)
+    verdicts = judged(rows)
     seconds = [rows[n]["seconds_to_target"] or 0 for n in names]
-    bars = ax.barh(names, seconds, color=["C0" if rows[n]["seconds_to_target"] else "lightgray" for n in names])
+    colors = ["C0" if verdicts[n]["counts"] else "C1" if rows[n]["seconds_to_target"] else "lightgray" for n in names]
+    bars = ax.barh(names, seconds, color=colors)
     for bar, name in zip(bars, names):
-        label = f"{rows[name]['bytes_sent_per_worker'] / 1e6:.0f} MB" + (
-            "" if rows[name]["seconds_to_target"] else ", not reached")
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + label, va="center", fontsize=7)
-    ax.set(title=f"{model}, {link}: s to {TARGETS[model]}", xlabel="seconds (gray: target not reached)")
+        verdict = verdicts[name]
+        label = (f"x{verdict['speedup']:.2f}, " if verdict["speedup"] else "not reached, ") + (
+            f"final {rows[name]['final_accuracy']:.4f} ({verdict['points']:+.1f} pt), "
+            f"{rows[name]['bytes_sent_per_worker'] / 1e6:.0f} MB")
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + label, va="center", fontsize=6)
+    best = max((v["speedup"] for v in verdicts.values() if v["counts"] and v["speedup"]), default=None)
+    ax.set_title(f"{model}, {link}\nbest within 1 point: " + (f"x{best:.2f}" if best else "none"), fontsize=9)
+    ax.set_xlabel(f"seconds to test accuracy {TARGETS[model]}", fontsize=8)
+    ax.set_xlim(0, max(seconds) * 2.2 if any(seconds) else 1)
     ax.invert_yaxis()
 
 
@@ -119,7 +141,12 @@ def main(argv=None):
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--links", default="1g,100m,10m", help="shaped links, comma-separated: 1g, 100m, 10m")
     parser.add_argument("--out", default=HERE)
+    parser.add_argument("--replot", action="store_true", help="only draw sync.png again from sync.json")
     args = parser.parse_args(argv)
+    if args.replot:
+        with open(os.path.join(args.out, "sync.json")) as f:
+            plot(json.load(f), os.path.join(args.out, "sync.png"))
+        return
     if os.geteuid() != 0:
         sys.exit("benchmarks/sync.py: cannot run here: it needs root (network namespaces); see scaling.py")
     chosen = ["100m"] if args.tiny else args.links.split(",")

@@ -33,7 +33,8 @@ def test_benchmarks_run_at_a_tiny_size(tmp_path):
 
 def _scaling(results):
     link = results["links"]["1 Gbit/s"]
-    return link["cnn"]["efficiency"]["median"] > 0 and link["allreduce"]["1"]["fraction_of_link"]["median"] > 0
+    return (link["cnn"]["efficiency"]["median"] > 0 and link["allreduce"]["1"]["fraction_of_link"]["median"] > 0
+            and 0 < link["cnn"]["bound"]["median"] < 1 and link["transformer"]["fraction_of_bound"]["median"] > 0)
 
 
 def _sync(results):
