@@ -78,7 +78,10 @@ def start_and_wait_for(cmd, out, *, marker: str, count: int, env=None, timeout: 
 
     Returns `(process, text so far)`; kills the process and fails if that takes too long.
     """
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    # The child writes through a descriptor of its own, in append mode: on `out`'s own, the
+    # seek(0) below would move the offset it writes at, and its lines would overwrite others.
+    with open(out.name, "a", encoding="utf-8") as sink:
+        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     text = ""
     while time.monotonic() < deadline:
