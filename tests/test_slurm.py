@@ -148,29 +148,30 @@ def test_main_job_across_two_nodes_two_tasks_each(tmp_path, two_nodes):
     assert summary["workers"] == 4 and summary["strategy"] == "MultiWorkerMirroredStrategy"
 
 
-@pytest.mark.multiworker
-def test_a_preemption_under_srun_saves_on_every_task_and_exits_75(tmp_path):
-    """Issue 33 item 5, played on the one-node Slurm: SIGTERM to every task of a running step
-    (`scancel --signal=TERM`, as a time limit's `--signal=TERM@120` does) with the srun options of
-    `distrib-tf-export slurm` (`--wait`, no `--kill-on-bad-exit`): both back up one step, 75."""
-    _one_node_slurm()
-    name = f"preempt-{os.getpid()}"
-    srun = next(line for line in slurm.batch_script(
-        slurm_spec_of_two(), command=["true"]).splitlines() if line.startswith("srun "))
-    options = srun.split()[1:srun.split().index("distrib-tf-launch")]  # What the batch script passes srun.
-    job = subprocess.Popen(["srun", "-n", "2", "--oversubscribe", f"--job-name={name}", "--time=10", *options,
-                            *LAUNCH, *_train(tmp_path / "run", "--epochs=3", "--steps_per_epoch=100")],
-                           env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _srun_options() -> list[str]:
+    """The options the exported batch script passes srun."""
+    srun = next(line for line in slurm.batch_script(None, nodes=(1, 2), command=["true"]).splitlines()
+                if line.startswith("srun "))
+    return srun.split()[1:srun.split().index("distrib-tf-launch")]
+
+
+def _preempted_step(prefix, srun_args, train, *, name, marker) -> int:
+    """Runs `srun SRUN_ARGS ... LAUNCH TRAIN` (under `prefix`, a Slurm of its own), sends its
+    tasks SIGTERM (`scancel --signal=TERM`, as a time limit's `--signal=TERM@120` does) once
+    `marker` is printed; checks that worker:0 and worker:1 backed up one step and that the
+    step exited 75; returns that step."""
+    job = subprocess.Popen([*prefix, "srun", *srun_args, f"--job-name={name}", "--time=10", *_srun_options(),
+                            *LAUNCH, *train], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
         for line in job.stdout:
             lines.append(line)
-            if "worker:1 epoch 1/3" in line:
+            if marker in line:
                 break
         assert job.poll() is None, "".join(lines)[-3000:]
-        job_id = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True,
-                                timeout=20).stdout.split()[0]
-        subprocess.run(["scancel", "--signal=TERM", job_id], check=True, timeout=20)
+        job_id = subprocess.run([*prefix, "squeue", "-h", "-n", name, "-o", "%i"], env=ENV, capture_output=True,
+                                text=True, timeout=30).stdout.split()[0]
+        subprocess.run([*prefix, "scancel", "--signal=TERM", job_id], env=ENV, check=True, timeout=30)
         output = "".join(lines) + job.communicate(timeout=200)[0]
     finally:
         if job.poll() is None:
@@ -179,12 +180,17 @@ def test_a_preemption_under_srun_saves_on_every_task_and_exits_75(tmp_path):
     saved = set(re.findall(r"(worker:\d) preempted: backed up step (\d+) like every worker", output))
     assert {task for task, _ in saved} == {"worker:0", "worker:1"} and len({s for _, s in saved}) == 1, output[-3000:]
     assert job.returncode == 75, output[-3000:]
+    return int(saved.pop()[1])
 
 
-def slurm_spec_of_two():
-    from distrib_tf.cluster import ClusterSpec  # pylint: disable=import-outside-toplevel
-
-    return ClusterSpec.from_dict({"cluster": {"worker": ["127.0.0.1:0", "127.0.0.1:0"]}})
+@pytest.mark.multiworker
+def test_a_preemption_under_srun_saves_on_every_task_and_exits_75(tmp_path):
+    """Issue 33 item 5, played on the one-node Slurm: SIGTERM to every task of a running step
+    with the srun options of `distrib-tf-export slurm` (`--wait`, no `--kill-on-bad-exit`):
+    both back up one step, 75."""
+    _one_node_slurm()
+    _preempted_step([], ["-n", "2", "--oversubscribe"], _train(tmp_path / "run", "--epochs=3", "--steps_per_epoch=100"),
+                    name=f"preempt-{os.getpid()}", marker="worker:1 epoch 1/3")
 
 
 @pytest.mark.engines  # make test-engines: two Slurm nodes, a preemption, a resume on one (about 1 min).
@@ -194,34 +200,11 @@ def test_a_step_on_fewer_nodes_resumes_at_the_step_every_worker_backed_up(tmp_pa
     options) gets SIGTERM in its first epoch (a preemption's warning): both tasks back up one
     step, 75. The next allocation has one node (a requeue of `distrib-tf-export slurm
     --nodes=1-2`, or any job on the same `--model_dir`): its one task resumes at that step."""
-    model_dir, name = tmp_path / "run", f"elastic-{os.getpid()}"
-    srun = next(line for line in slurm.batch_script(None, nodes=(1, 2), command=["true"]).splitlines()
-                if line.startswith("srun "))
-    options = srun.split()[1:srun.split().index("distrib-tf-launch")]
+    model_dir = tmp_path / "run"
     train = _train(model_dir, "--epochs=2", "--steps_per_epoch=30", "--backup_every_steps=5")
-    job = subprocess.Popen([*two_nodes, "srun", "-N", "2", "--ntasks-per-node=1", f"--job-name={name}", "--time=10",
-                            *options, *LAUNCH, *train],
-                           env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        lines = []
-        for line in job.stdout:
-            lines.append(line)
-            if "worker:1 epoch 1/2" in line:
-                break
-        assert job.poll() is None, "".join(lines)[-3000:]
-        job_id = subprocess.run([*two_nodes, "squeue", "-h", "-n", name, "-o", "%i"], env=ENV, capture_output=True,
-                                text=True, timeout=30).stdout.split()[0]
-        subprocess.run([*two_nodes, "scancel", "--signal=TERM", job_id], env=ENV, check=True, timeout=30)
-        output = "".join(lines) + job.communicate(timeout=200)[0]
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    assert job.returncode == 75, output[-3000:]
-    saved = set(re.findall(r"(worker:\d) preempted: backed up step (\d+) like every worker", output))
-    assert {task for task, _ in saved} == {"worker:0", "worker:1"} and len({s for _, s in saved}) == 1, output[-3000:]
-    step = int(saved.pop()[1])
-    resumed = subprocess.run([*two_nodes, "srun", "-N", "1", "-n", "1", "--time=10", *options, *LAUNCH, *train],
+    step = _preempted_step(two_nodes, ["-N", "2", "--ntasks-per-node=1"], train, name=f"elastic-{os.getpid()}",
+                              marker="worker:1 epoch 1/2")
+    resumed = subprocess.run([*two_nodes, "srun", "-N", "1", "-n", "1", "--time=10", *_srun_options(), *LAUNCH, *train],
                              env=ENV, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert re.search(rf"(chief|worker):0 resumes at step {step} ", resumed.stdout), resumed.stdout[-3000:]

@@ -154,18 +154,15 @@ def time_all_reduce(optimizer, clock) -> None:
 
 
 def carry_with_gradients(optimizer, rider) -> bool:
-    """Makes `rider` travel in `optimizer`'s gradient all-reduce (`None` stops it): at each
-    traced all-reduce of full-width gradients, `rider.board(grads_and_vars)` returns a 1-D
-    tensor of the gradients' type, or `None`; it joins their pack, and `rider.alight(sum)`
-    gets its sum over every replica. Compressed or skipped all-reduces (periodic sync) carry
-    nothing. Returns False on a Keras distrib_tf was not tested with (nothing is carried)."""
+    """Makes `rider` travel in `optimizer`'s gradient all-reduce: at each traced all-reduce
+    of full-width gradients, `rider.board(grads_and_vars)` returns a 1-D tensor of the
+    gradients' type, or `None`; it joins their pack, and `rider.alight(sum)` gets its sum
+    over every replica. Compressed or skipped all-reduces (periodic sync) carry nothing.
+    Returns False on a Keras distrib_tf was not tested with (nothing is carried)."""
     if not _install(required=False):
         return False
     for each in _inner_optimizers(optimizer):
-        if rider is None:
-            each.__dict__.pop(_RIDER, None)
-        else:  # Past __setattr__: the optimizer would track it.
-            each.__dict__[_RIDER] = rider
+        each.__dict__[_RIDER] = rider  # Past __setattr__: the optimizer would track it.
     return True
 
 

@@ -3,8 +3,10 @@
 The check runs inside the training step, in the metric `NonFiniteReplicas`: each replica
 sets its flag when its predictions, or (once `StopOnNonFinite` watches them) the model's
 weights after the update, hold a NaN or Inf. Keras averages every logged value over the
-replicas before a callback sees it, in the same reduction as the loss, so every worker
-reads the same flag at the same step whatever the sync mode: with `--sync=every:N` the
+replicas before a callback sees it, in the same reduction as the loss (under
+`sync="step"`, the gradients' own all-reduce: `distrib_tf.keras.step_logs`, where the
+weights are checked after the update, locally, since every worker holds the same ones), so
+every worker reads the same flag at the same step whatever the sync mode: with `--sync=every:N` the
 replicas' weights differ between syncs, and one replica's NaN still stops all of them.
 (A NaN does not always reach the loss: a ReLU after a NaN statistic can hide it there
 while the gradients carry it into the weights; so the weights are checked too.)
