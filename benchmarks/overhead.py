@@ -64,7 +64,7 @@ def switch_off(names) -> None:
     from distrib_tf.keras import nonfinite
     from distrib_tf.keras import progress
     from distrib_tf.keras import step_logs
-    from distrib_tf.train import job
+    from distrib_tf.run import run
 
     class Nothing(keras.callbacks.Callback):
         def __init__(self, *args, **kwargs):
@@ -72,24 +72,17 @@ def switch_off(names) -> None:
 
     for name in names:
         if name.startswith("pack="):
-            packed = functools.partial(job.make_strategy, bytes_per_pack=int(name[5:]))
-            job.make_strategy = packed
+            run.make_strategy = functools.partial(run.make_strategy, bytes_per_pack=int(name[5:]))
     if "progress" in names:
-        job.progress.Progress = Nothing
+        progress.Progress = Nothing
     elif "step_timing" in names:
         progress.Progress._instrument_step = lambda self: None  # pylint: disable=protected-access
     if "finite_check" in names:
-        job.nonfinite.StopOnNonFinite = Nothing
+        nonfinite.StopOnNonFinite = Nothing
     if "logs_in_gradients" in names:
         step_logs.carry = lambda model: False
-    if "culprit_metric" in names:
-        compile_ = keras.Model.compile
-
-        def compile_without(self, *args, metrics=None, **kwargs):
-            metrics = [m for m in metrics or [] if not isinstance(m, nonfinite.NonFiniteReplicas)]
-            return compile_(self, *args, metrics=metrics, **kwargs)
-
-        keras.Model.compile = compile_without
+    if "culprit_metric" in names:  # StopOnNonFinite then checks the weights in a function of its own.
+        nonfinite.attach = lambda model: None
 
 
 def run_variant(scratch, model, variant, *, epochs, steps, tag) -> float:
