@@ -73,7 +73,7 @@ bench-sync: $(STAMP)
 bench-overhead: $(STAMP)
 	$(PY) benchmarks/overhead.py
 
-# From a restart to the first step after a preemption on 2 workers: on 1, 2 and 3 (benchmarks/resize.py).
+# From a restart to the first step: a resize (2 -> 1, 2 -> 3) against a restart on the new layout (benchmarks/resize.py).
 bench-resize: $(STAMP)
 	$(PY) benchmarks/resize.py
 

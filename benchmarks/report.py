@@ -66,13 +66,17 @@ def bench_tables(results, previous) -> list[str]:
 def scaling_tables(scaling) -> list[str]:
     lines = [f"Run of {scaling['environment']['date']}, {scaling['reps']} repetitions per cell, "
              f"{scaling['seconds']:.0f} s.", "",
-             "| link | iperf3 each way, MB/s | model | 1 worker, examples/s | 2 workers, examples/s | efficiency |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| link | run | iperf3 each way, MB/s | model | 1 worker, examples/s | 2 workers, examples/s "
+             "| efficiency |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for link, row in scaling["links"].items():
         iperf = {k: v / 1e6 for k, v in row["iperf3_bidir_bytes_per_second"].items() if k != "values"}
+        run = row.get("run") or scaling["environment"]
+        where = f"{run['date'][:16]}, {run['machine'].split(', ')[1]}"
         for model in ("cnn", "transformer"):
             cell = row[model]
-            lines.append(f"| {link} | {fmt(iperf, 0)} | {model} | {fmt(cell['one_worker_examples_per_second'], 0)} | "
+            lines.append(f"| {link} | {where} | {fmt(iperf, 0)} | {model} | "
+                         f"{fmt(cell['one_worker_examples_per_second'], 0)} | "
                          f"{fmt(cell['two_workers_examples_per_second'], 0)} | {fmt(cell['efficiency'], 2)} |")
     bounded = [(link, row) for link, row in scaling["links"].items() if "bound" in row["cnn"]]
     if bounded:
@@ -89,6 +93,18 @@ def scaling_tables(scaling) -> list[str]:
                 lines.append(f"| {link} | {model} | {fmt(step, 1)} | {fmt(ms, 1)} | {cell['gradient_bytes'] / 1e6:.2f} "
                              f"| {fmt(cell['bound'], 2)} | {fmt(cell['efficiency'], 2)} | "
                              f"{fmt(cell['fraction_of_bound'], 2)} | {fmt(cell['link_bound'], 2)} |")
+    apart = [(link, row) for link, row in bounded if "efficiency_logs_apart" in row["cnn"]]
+    if apart:
+        lines += ["", "One collective a step (the logs in the gradients' pack) against two (the logs apart, as "
+                  "before), in the same run:", "",
+                  "| link | model | 2 workers, examples/s | logs apart: 2 workers, examples/s | efficiency "
+                  "| logs apart: efficiency |", "| --- |" + " --- |" * 5]
+        for link, row in apart:
+            for model in ("cnn", "transformer"):
+                cell = row[model]
+                lines.append(f"| {link} | {model} | {fmt(cell['two_workers_examples_per_second'], 0)} | "
+                             f"{fmt(cell['two_workers_logs_apart_examples_per_second'], 0)} | "
+                             f"{fmt(cell['efficiency'], 2)} | {fmt(cell['efficiency_logs_apart'], 2)} |")
     sizes = list(next(iter(scaling["links"].values()))["allreduce"])
     lines += ["", "All-reduce bus bandwidth / shaped rate:", "",
               "| link | " + " | ".join(f"{s} MB" for s in sizes) + " |", "| --- |" + " --- |" * len(sizes)]
@@ -164,6 +180,17 @@ def overhead_tables(after, before) -> list[str]:
     return lines
 
 
+def resize_tables(resize) -> list[str]:
+    lines = [f"Run of {resize['environment']['date']}: {resize['environment']['machine']}; {resize['repeats']} "
+             "repetitions, cases interleaved.", "",
+             "| case | s from the launcher's start to the end of the first step | / the restart it is compared with |",
+             "| --- | --- | --- |"]
+    for name, row in resize["layouts"].items():
+        ratio = f"{row['ratio_to_restart']:.2f} ({row['compared_with']})" if row.get("compared_with") else "—"
+        lines.append(f"| {name} | {row['median']:.2f} ({row['min']:.2f}–{row['max']:.2f}) | {ratio} |")
+    return lines
+
+
 def main():
     folder = sys.argv[1] if len(sys.argv) > 1 else HERE
     results = _load(folder, "results.json")
@@ -179,6 +206,9 @@ def main():
     if overhead:
         print("\n".join(["## make bench-overhead", ""]
                         + overhead_tables(overhead, _load(folder, "overhead.before.json")) + [""]))
+    resize = _load(folder, "resize.json")
+    if resize and "environment" in resize:
+        print("\n".join(["## make bench-resize", ""] + resize_tables(resize) + [""]))
     sync = _load(folder, "sync.json")
     if sync:
         print("\n".join(["## make bench-sync", ""] + sync_tables(sync)))

@@ -1,14 +1,16 @@
 """What a resize costs, from the restart to the first step: `make bench-resize`.
 
 The main job (CNN, float64, a global batch of 48, 20 steps an epoch, 2 epochs, a backup
-every 5 steps) on 2 local workers through the launcher, SIGTERMed in its second epoch
-(every worker backs up one step, exit 75), then started again on 1, 2 or 3 workers. For
-each restart it records the seconds from starting the launcher to the end of the first
-step (`summary.json`'s `first_step_unix_time`): start-up, the resume agreement, reading the
-backup (or, on the worker a grow adds, receiving the state over the collective), tracing.
-The restart on 2 workers is the baseline: what any restart costs. The layouts run
-interleaved, `--repeats` times each; it prints the median and the range of each, and the
-ratio of each median to the baseline's, and writes `benchmarks/resize.json`.
+every 5 steps) on local workers through the launcher, SIGTERMed in its second epoch (every
+worker backs up one step, exit 75), then started again. For each restart it records the
+seconds from starting the launcher to the end of the first step (`summary.json`'s
+`first_step_unix_time`): start-up, the resume agreement, reading the backup (or, on the
+worker a grow adds, receiving the state over the collective), tracing. Like with like: a
+resize onto N workers is compared with a restart of a job that ran on N workers (the same
+processes on the same 2 cores; only what the resize does differs): 2 -> 1 against 1 -> 1,
+2 -> 3 against 3 -> 3. The cases run interleaved, `--repeats` times each; it prints the
+median and the range of each, the ratio of each resize's median to its restart's, and
+writes `benchmarks/resize.json`.
 """
 
 import argparse
@@ -23,6 +25,10 @@ import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from run import environment  # noqa: E402
+
 ENV_QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(HERE.parent)}
 FLAGS = ["--float64", "--global_batch_size=48", "--steps_per_epoch=20", "--epochs=2", "--backup_every_steps=5"]
 
@@ -36,13 +42,22 @@ def _environment():
     return {**os.environ, **ENV_QUIET}
 
 
-def preempt(model_dir) -> None:
-    """A 2-worker run, SIGTERMed once worker:1 has finished its first epoch."""
+CASES = {  # name: (workers preempted, workers restarted, the restart it is compared with)
+    "1 -> 1 (a restart)": (1, 1, None),
+    "2 -> 1 (shrink)": (2, 1, "1 -> 1 (a restart)"),
+    "3 -> 3 (a restart)": (3, 3, None),
+    "2 -> 3 (grow, empty disk)": (2, 3, "3 -> 3 (a restart)"),
+}
+
+
+def preempt(model_dir, workers: int) -> None:
+    """A run on `workers`, SIGTERMed once the chief has begun its second epoch."""
     log = pathlib.Path(f"{model_dir}.preempt.out")
     with open(log, "w") as out:
-        proc = subprocess.Popen(_command(2, model_dir), env=_environment(), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(_command(workers, model_dir), env=_environment(), stdout=out,
+                                stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
-    while "worker:1 epoch 1/2" not in log.read_text() and time.monotonic() < deadline:
+    while "Epoch 2/2" not in log.read_text() and time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(log.read_text()[-3000:])
         time.sleep(0.05)
@@ -67,23 +82,26 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(HERE / "resize.json"))
     args = parser.parse_args()
-    layouts = {"2 -> 2 (a restart)": 2, "2 -> 1 (shrink)": 1, "2 -> 3 (grow, empty disk)": 3}
-    seconds = {name: [] for name in layouts}
+    seconds = {name: [] for name in CASES}
     with tempfile.TemporaryDirectory() as scratch:
         for repeat in range(args.repeats):
-            for name, workers in layouts.items():  # Interleaved: the machine's drift hits all alike.
-                model_dir = pathlib.Path(scratch) / f"{workers}-{repeat}"
-                preempt(model_dir)
-                seconds[name].append(restart(model_dir, workers))
+            for name, (before, after, _) in CASES.items():  # Interleaved: the machine's drift hits all alike.
+                model_dir = pathlib.Path(scratch) / f"{before}-{after}-{repeat}"
+                preempt(model_dir, before)
+                seconds[name].append(restart(model_dir, after))
                 print(f"repeat {repeat + 1}: {name}: {seconds[name][-1]:.2f} s to the first step", flush=True)
-    base = statistics.median(seconds["2 -> 2 (a restart)"])
-    rows = {name: {"seconds": values, "median": statistics.median(values), "min": min(values), "max": max(values),
-                   "ratio_to_restart": statistics.median(values) / base} for name, values in seconds.items()}
-    for name, row in rows.items():
-        print(f"{name:28s} median {row['median']:.2f} s (range {row['min']:.2f}-{row['max']:.2f}), "
-              f"{row['ratio_to_restart']:.2f}x a restart on the same layout")
-    pathlib.Path(args.out).write_text(json.dumps({"command": "make bench-resize", "flags": FLAGS,
-                                                  "repeats": args.repeats, "layouts": rows}, indent=2) + "\n")
+    rows = {}
+    for name, (_, _, baseline) in CASES.items():
+        values = seconds[name]
+        rows[name] = {"seconds": values, "median": statistics.median(values), "min": min(values), "max": max(values),
+                      "compared_with": baseline,
+                      "ratio_to_restart": statistics.median(values) / statistics.median(seconds[baseline])
+                      if baseline else 1.0}
+        print(f"{name:28s} median {rows[name]['median']:.2f} s (range {rows[name]['min']:.2f}-{rows[name]['max']:.2f})"
+              + (f", {rows[name]['ratio_to_restart']:.2f}x {baseline}" if baseline else ""))
+    pathlib.Path(args.out).write_text(json.dumps({"command": "make bench-resize", "environment": environment(),
+                                                  "flags": FLAGS, "repeats": args.repeats, "layouts": rows},
+                                                 indent=2) + "\n")
 
 
 if __name__ == "__main__":
