@@ -100,11 +100,13 @@ def _tf_config(index: int, port: int = 2222) -> str:
     return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
 
 
-def train_rate(scratch, model, workers, *, epochs, steps, tag) -> tuple[float, int]:
-    """The training steps' examples/s, and how many values a step logs."""
+def train_rate(scratch, model, workers, *, epochs, steps, tag, logs_apart=False) -> tuple[float, int]:
+    """The training steps' examples/s, and how many values a step logs. `logs_apart`: the
+    step as it was before `distrib_tf.keras.step_logs`, its logs in a collective of their own."""
     model_dir = f"{scratch}/{tag}"
     flags = [f"--model={model}", f"--epochs={epochs}", f"--steps_per_epoch={steps}", f"--model_dir={model_dir}"]
-    command = [PY, "-m", "distrib_tf.train", *flags]
+    command = ([PY, os.path.join(HERE, "overhead.py"), "--worker", "logs_in_gradients", *flags] if logs_apart
+               else [PY, "-m", "distrib_tf.train", *flags])
     if workers == 1:
         _wait([on_host(0, [*command, "--strategy=one_device", "--global_batch_size=32"])])
     else:
@@ -166,6 +168,9 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=HERE)
+    parser.add_argument("--logs_apart", action="store_true",
+                        help="also two workers with the logs in a collective of their own (the step before this "
+                             "round), interleaved")
     parser.add_argument("--links", default=",".join(LINKS),
                         help=f"comma-separated, of {', '.join(LINKS)}; links not run keep their rows in scaling.json")
     args = parser.parse_args(argv)
@@ -190,17 +195,19 @@ def main(argv=None):
                              client_prefix=["ip", "netns", "exec", HOSTS[1][0]]) for _ in range(reps)),
                 "shaped_bytes_per_second": bits / 8}
             for model in ("cnn", "transformer"):
-                one, two, collectives, logged, gradient_bytes = [], [], [], 0, 0
+                one, two, apart, collectives, logged, gradient_bytes = [], [], [], [], 0, 0
+                cases = (1, 2, "c", *(["apart"] if args.logs_apart else []))
                 for rep in range(reps):
-                    for workers in ((1, 2, "c") if rep % 2 == 0 else ("c", 2, 1)):
+                    for workers in (cases if rep % 2 == 0 else cases[::-1]):
                         tag = f"{rate}_{model}_{workers}_{rep}"
                         if workers == "c":  # The bound: the step's collectives alone.
                             seconds, gradient_bytes = collectives_seconds(scratch, model, logged or 4,
                                                                           40 if args.tiny else 300, tag)
                             collectives.append(seconds)
                             continue
-                        rate_, logged = train_rate(scratch, model, workers, epochs=epochs, steps=steps, tag=tag)
-                        (one if workers == 1 else two).append(rate_)
+                        rate_, logged = train_rate(scratch, model, 1 if workers == 1 else 2, epochs=epochs,
+                                                   steps=steps, tag=tag, logs_apart=workers == "apart")
+                        {1: one, 2: two, "apart": apart}[workers].append(rate_)
                 efficiency = [b / (2 * a) for a, b in zip(one, two)]
                 step = [32 / a for a in one]  # The one worker's step: its batch is 32.
                 bound = [t / (t + c) for t, c in zip(step, collectives)]
@@ -212,6 +219,9 @@ def main(argv=None):
                               "bound": spread(bound),
                               "fraction_of_bound": spread(e / b for e, b in zip(efficiency, bound)),
                               "link_bound": spread(t / (t + gradient_bytes / (bits / 8)) for t in step)}
+                if apart:
+                    row[model]["two_workers_logs_apart_examples_per_second"] = spread(apart)
+                    row[model]["efficiency_logs_apart"] = spread(b / (2 * a) for a, b in zip(one, apart))
             times = allreduce(scratch, sizes, max(reps, 3), f"allreduce_{rate}")
             row["allreduce"] = {str(size): {
                 "bus_bytes_per_second": spread(size * 2**20 / s for s in times[str(size)]),
@@ -224,11 +234,15 @@ def main(argv=None):
                 flush=True)
     results["seconds"] = time.time() - started
     os.makedirs(args.out, exist_ok=True)
-    try:  # Links not run this time keep their last rows.
+    for row in results["links"].values():
+        row["run"] = {k: results["environment"][k] for k in ("date", "machine")}
+    try:  # Links not run this time keep their last rows, with the run that wrote them.
         with open(os.path.join(args.out, "scaling.json")) as f:
-            kept = json.load(f)["links"]
-        results["links"] = {link: results["links"].get(link) or kept[link]
-                            for link in LINKS if link in results["links"] or link in kept}
+            last = json.load(f)
+        for row in last["links"].values():
+            row.setdefault("run", {k: last["environment"][k] for k in ("date", "machine")})
+        results["links"] = {link: results["links"].get(link) or last["links"][link]
+                            for link in LINKS if link in results["links"] or link in last["links"]}
     except (OSError, ValueError, KeyError):
         pass
     with open(os.path.join(args.out, "scaling.json"), "w") as f:
