@@ -390,17 +390,33 @@ def test_a_bad_flag_fails_the_job_at_once(hosts, tmp_path, engine_name, expected
     assert len(engine.log) == 1 and engine.log[0][1:] == (exit_codes.USAGE, expected), engine.log
 
 
-def test_a_jobset_exported_again_with_fewer_workers_resumes_from_the_same_claim(hosts, tmp_path):
-    """Issue 32 on Kubernetes: a 2-worker JobSet preempted (SIGTERM to each pod: 75 on both),
-    deleted, and exported again with 1 worker over the same claim: its pod mounts the first
-    pod's sub-path, finds worker:0's backups there and resumes at the step both backed up."""
-    engine = JobSetEngine("jobset", str(tmp_path))
+def _backed_up(engine) -> bool:
+    """Whether any pod's volume holds a backup past the start's, of any task."""
+    for pod in engine.pods:
+        tasks = os.path.join(pod.volume, "cnn", "backup")
+        if any(step > 0 for task in (os.listdir(tasks) if os.path.isdir(tasks) else []) for step in
+               _backups(pod.volume, task)):
+            return True
+    return False
+
+
+SPECS = {1: "local_1worker.json", 2: "local_2workers.json"}
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_a_jobset_exported_again_at_another_size_resumes_from_the_same_claim(hosts, tmp_path, before, after):
+    """Issue 32 on Kubernetes: a JobSet preempted (SIGTERM to each pod: 75 on each),
+    deleted, and exported again with another number of workers over the same claim, each
+    pod its own sub-path of it (its own disk) and its own network namespace. 2 -> 1: the one
+    pod mounts the first pod's sub-path and resumes from worker:0's backups there. 1 -> 2: the
+    second pod's sub-path is empty, and it gets the step and the state over the collective."""
+    engine = JobSetEngine("jobset", str(tmp_path), f"--cluster_spec={ROOT}/cluster_specs/{SPECS[before]}")
     cluster = Cluster(hosts, engine)
     try:
         for pod in engine.pods:
             cluster.start(pod)
         deadline = time.monotonic() + 300
-        while not any(step > 0 for step in _backups(engine.pods[1].volume, "worker-1")):
+        while not _backed_up(engine):
             assert time.monotonic() < deadline and all(p.proc.poll() is None for p in engine.pods), _logs(engine)
             time.sleep(0.2)
         for pod in engine.pods:
@@ -408,16 +424,19 @@ def test_a_jobset_exported_again_with_fewer_workers_resumes_from_the_same_claim(
         codes = [pod.proc.wait(timeout=engine.grace + 30) for pod in engine.pods]
     finally:
         cluster.close()
-    assert codes == [exit_codes.PREEMPTED] * 2, (codes, _logs(engine)[-5000:])
-    saved = set(re.findall(r"worker:\d preempted: backed up step (\d+) like every worker", _logs(engine)))
+    assert codes == [exit_codes.PREEMPTED] * before, (codes, _logs(engine)[-5000:])
+    saved = set(re.findall(r"(?:chief|worker):\d preempted: backed up step (\d+)", _logs(engine)))
     assert len(saved) == 1, _logs(engine)[-5000:]
-    smaller = JobSetEngine("jobset", str(tmp_path), f"--cluster_spec={ROOT}/cluster_specs/local_1worker.json")
-    assert len(smaller.pods) == 1 and smaller.pods[0].volume == engine.pods[0].volume
-    cluster = Cluster(hosts, smaller)
+    step = int(saved.pop())
+    resized = JobSetEngine("jobset", str(tmp_path), f"--cluster_spec={ROOT}/cluster_specs/{SPECS[after]}")
+    assert len(resized.pods) == after and resized.pods[0].volume == engine.pods[0].volume
+    cluster = Cluster(hosts, resized)
     try:
         outcome = cluster.run(600)
     finally:
         cluster.close()
-    assert outcome == "Succeeded", (smaller.log, _logs(smaller)[-5000:])
-    summary = _summary(smaller)
-    assert summary["workers"] == 1 and summary["resumed_at_step"] == int(saved.pop()), summary
+    assert outcome == "Succeeded", (resized.log, _logs(resized)[-5000:])
+    summary = _summary(resized)
+    assert summary["workers"] == after and summary["resumed_at_step"] == step, summary
+    if after > before:  # The new pod's disk was empty: its state came over the collective.
+        assert "the state came from a worker that holds it" in _logs(resized), _logs(resized)[-5000:]
