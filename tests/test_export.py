@@ -58,6 +58,31 @@ def test_slurm_script_and_cluster_from_slurm_variables():
     assert "srun --kill-on-bad-exit" not in result.stdout  # It killed the rest at the first exit 75 (issue 33, 5).
 
 
+def test_slurm_script_for_an_allocation_of_any_size_in_a_range():
+    result = _export("slurm", "--nodes=1-4", "--tasks_per_node=2", "--", "python", "-m", "distrib_tf.train")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "#SBATCH --nodes=1-4" in lines and "#SBATCH --ntasks-per-node=2" in lines
+    assert not any(line.startswith("#SBATCH --ntasks=") for line in lines)  # No fixed count: any size runs.
+    sbatch = [i for i, line in enumerate(lines) if line.startswith("#SBATCH")]
+    assert sbatch == list(range(1, len(sbatch) + 1))  # sbatch reads its options before the first other line.
+    check = subprocess.run(["bash", "-n"], input=result.stdout, text=True, capture_output=True)
+    assert check.returncode == 0, check.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nodes=3-2"], "Invalid value for `--nodes`. Received: '3-2'. Expected N, or MIN-MAX"),
+    (["--nodes=0"], "Invalid value for `--nodes`. Received: '0'."),
+    (["--nodes=2", "--tasks_per_node=0"], "Invalid value for `--tasks_per_node`. Received: 0."),
+    (["--nodes=2", f"--cluster_spec={SPEC}"], "received both `--cluster_spec` and `--nodes`"),
+    ([], "received neither `--cluster_spec` nor `--nodes`"),
+])
+def test_slurm_size_mistakes_are_one_line(args, message):
+    result = _export("slurm", *args, "--", "true")
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
 def test_a_job_name_that_would_inject_script_lines_is_refused():
     result = _export("slurm", f"--cluster_spec={SPEC}", "--job_name=a\n#SBATCH --output=/etc/x", "--", "true")
     assert result.returncode == 2 and "Invalid value for `--job_name`" in result.stderr, result.stderr
