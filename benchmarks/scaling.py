@@ -15,7 +15,8 @@ training steps' rate from each run's summary (first epoch left out).
 
 The bound, in the same repetition: the step's collectives alone between the same two pinned
 processes (`step_collectives.py`: the model's gradients through the optimizer's all-reduce,
-then the logged values' pack, no compute), `c` seconds a step. With `t` the one worker's
+the logged values in their pack as `distrib_tf.keras.step_logs` sends them, no compute), `c`
+seconds a step. With `t` the one worker's
 step, the efficiency these collectives allow is t / (t + c) (TensorFlow's collectives on this
 link and core), and ours is reported as a fraction of it. Beside it, the link's own bound:
 t / (t + gradient bytes / shaped rate) (a 2-rank ring sends each byte once each way), what a

@@ -1,15 +1,13 @@
 """One worker of `make bench-scaling`'s bound: the main job's step collectives alone, no compute.
 
-    step_collectives.py MODEL LOGGED STEPS OUT.json [apart]     # TF_CONFIG set, as for the job
+    step_collectives.py MODEL LOGGED STEPS OUT.json     # TF_CONFIG set, as for the job
 
 Builds the main job's compiled model (`distrib_tf.train.job.build_compiled_model`: the same
 variables, optimizer and patched gradient all-reduce) under the same strategy, then times
 STEPS calls of a `tf.function` that holds what a training step's graph holds of
 communication and nothing else: the gradients' all-reduce, through the optimizer's own path
 (one pack, last layers first), on zeros shaped like the trainable variables, with LOGGED
-scalars in the same pack (`distrib_tf.keras.step_logs`). With `apart`, the step as it was
-before that: the LOGGED scalars, computed from the reduced gradients, reduced in a pack of
-their own afterwards (`distrib_tf.keras.compat`, fix 2).
+scalars in the same pack (`distrib_tf.keras.step_logs`).
 
 Each call ends by reading one value on the host, as a step's callbacks do. The chief writes
 `{"gradient_bytes", "step_seconds": [...]}` (every call's seconds after 20 warm-up calls).
@@ -23,7 +21,6 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from distrib_tf.keras import compat
 from distrib_tf.train.config import TrainConfig
 from distrib_tf.train.job import build_compiled_model
 from distrib_tf.train.job import prepare_job
@@ -31,40 +28,31 @@ from distrib_tf.train.job import prepare_job
 WARM_UP = 20
 
 
-def make_step(strategy, model, logged: int, apart: bool):
+def make_step(strategy, model, logged: int):
     variables = model.trainable_variables
     optimizer = model.optimizer
-    dtype = variables[0].dtype
 
     def replica():
         pairs = [(tf.zeros(v.shape, v.dtype), v) for v in variables]
-        if not apart:
-            pairs.append((tf.range(logged, dtype=dtype), None))
-        reduced = [g for g, _ in optimizer._all_reduce_sum_gradients(pairs)]  # pylint: disable=protected-access
-        if not apart:
-            return tf.unstack(reduced[-1])
-        first = tf.reduce_sum(reduced[0]) * 0.0
-        return [first + float(i) for i in range(logged)]
+        pairs.append((tf.range(logged, dtype=variables[0].dtype), None))  # The logs, in the gradients' pack.
+        reduced = optimizer._all_reduce_sum_gradients(pairs)  # pylint: disable=protected-access
+        return tf.unstack(reduced[-1][0])
 
     @tf.function
     def step():
-        logs = strategy.run(replica)
-        if not apart:
-            return [strategy.experimental_local_results(v)[0] for v in logs]
-        return compat._reduce_packed(strategy, "MEAN", logs)  # pylint: disable=protected-access
+        return [strategy.experimental_local_results(v)[0] for v in strategy.run(replica)]
 
     return step
 
 
 def main():
     model_name, logged, steps, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    apart = sys.argv[5:6] == ["apart"]
     config = TrainConfig(model=model_name, epochs=1, global_batch_size=64)
     with tempfile.TemporaryDirectory() as model_dir:
         job = prepare_job(config, model_dir)
         strategy = job.run.strategy
         model = build_compiled_model(config, job.info, strategy)
-        step = make_step(strategy, model, logged, apart)
+        step = make_step(strategy, model, logged)
         seconds = []
         for call in range(WARM_UP + steps):
             start = time.perf_counter()
