@@ -53,9 +53,10 @@ soak: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
-# The input pipeline at 1 and 4 GiB on 2 workers, against plain TFRecord (benchmarks/data.py).
+# The input pipeline at 1 and 4 GiB on 2 workers, against plain TFRecord, and the Grain route (benchmarks/data.py).
 bench-data: $(STAMP)
-	$(PY) benchmarks/data.py
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) benchmarks/data.py --grain
 
 # How far apart layouts end, in float32 and float64 (benchmarks/layout_gap.py).
 bench-layout: $(STAMP)

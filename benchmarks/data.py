@@ -1,6 +1,6 @@
 """`make bench-data`: the input pipeline at two dataset sizes, 2 workers, against plain TFRecord.
 
-    python benchmarks/data.py [--sizes_gb=1,4] [--reps=3] [--dir=/var/tmp/distrib_tf_bench_data]
+    python benchmarks/data.py [--sizes_gb=1,4] [--reps=3] [--grain] [--dir=/var/tmp/distrib_tf_bench_data]
 
 For each size it writes the same synthetic examples (64x64x3 uint8, 12 KiB, 10 classes)
 twice, once prepared as ArrayRecord (`distrib_tf.data.records`) and once as TFRecord files,
@@ -13,6 +13,17 @@ alone and interleaved with the other side, `--reps` times:
   examples/s over `--steps` batches after 10 warm-up ones;
 - `tfrecord`: `TFRecordDataset(own half of the files, num_parallel_reads=AUTOTUNE)
   .map(parse).batch(128).prefetch(AUTOTUNE)`, the same share, no shuffle: its examples/s.
+
+- `grain` (`--grain`, needs the `bench` extra): the Grain route (`benchmarks/grain_route.py`):
+  the same slices, read in `--grain_processes` child processes per worker; checked first to
+  give `ours`'s batches byte for byte (pipeline 1, 6 steps from step 0 and from 100,000).
+
+Then, on the first size, the ways array_record reads records by index (`--mode=reads`,
+one process pinned to one core, 128 random positions of one shard a call, 3 s each):
+`read(positions)` as one call, and one record at a time as a range of one, `read(p, p + 1)`,
+with 16 and 32 KiB file buffers. And per core: one worker alone (pipeline 0 of 2), pinned to 1 core and
+then given both, each side in turn, `--reps` times (the Grain route with as many child
+processes as cores): how each side's examples/s grows with cores.
 
 Both sides read from the page cache (each file is read once before the runs). Writes
 `data.json` with min, median and max of every figure.
@@ -89,6 +100,26 @@ def generate(directory: str, gigabytes: float) -> dict:
     return {"count": count, "dir": directory}
 
 
+def same_batches(args) -> dict:
+    """Whether the Grain route gives `make_dataset_fn`'s batches, byte for byte (pipeline 1 of 2)."""
+    import grain_route  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    from distrib_tf import data  # pylint: disable=import-outside-toplevel
+
+    folder = os.path.join(args.dir, "array_record")
+    info = data.load_info(f"array_record:{folder}")
+    checked = {}
+    for start in (0, FAR_STEP):
+        ours = data.make_dataset_fn(info, "train", global_batch_size=GLOBAL_BATCH, start_step=start)(
+            tf.distribute.InputContext(2, 1, 2))
+        theirs = grain_route.dataset(folder, 1, GLOBAL_BATCH, SHAPE, processes=2, start_step=start)
+        checked[f"steps {start}-{start + 5}"] = all(
+            np.array_equal(a.numpy(), b.numpy()) for x, y in zip(ours.take(6), theirs.take(6)) for a, b in zip(x, y))
+    return checked
+
+
 def worker(args) -> dict:
     """One worker's figures, printed as one JSON line."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -110,6 +141,12 @@ def worker(args) -> dict:
             seconds[step].append(time.perf_counter() - started)
         for step, values in seconds.items():
             out[f"first_batch_seconds_at_{step}"] = statistics.median(values)
+    elif args.mode == "grain":
+        import grain_route  # pylint: disable=import-outside-toplevel
+
+        dataset = grain_route.dataset(os.path.join(args.dir, "array_record"), args.index, GLOBAL_BATCH, SHAPE,
+                                      processes=args.grain_processes)
+        iterator = iter(dataset)
     else:
         def parse(records):  # What our reader does with the same bytes.
             raw = tf.reshape(tf.io.decode_raw(tf.strings.substr(records, 0, RECORD - 8), tf.uint8), [-1, *SHAPE])
@@ -145,10 +182,13 @@ def _warm(directory: str) -> None:
                     pass
 
 
-def run_pair(mode: str, directory: str, steps: int) -> list[dict]:
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", f"--mode={mode}", f"--index={i}",
-                               f"--dir={directory}", f"--steps={steps}"], env=ENV, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+def run_pair(mode: str, directory: str, steps: int, grain_processes: int, *, cores: int | None = None) -> list[dict]:
+    """Workers 0 and 1 at once; or, with `cores`, worker 0 alone on that many cores."""
+    pin = ["taskset", "-c", ",".join(str(c) for c in range(cores))] if cores else []
+    procs = [subprocess.Popen([*pin, sys.executable, __file__, "--worker", f"--mode={mode}", f"--index={i}",
+                               f"--dir={directory}", f"--steps={steps}", f"--grain_processes={grain_processes}"],
+                              env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in ((0,) if cores else (0, 1))]
     results = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=1800)
@@ -156,6 +196,43 @@ def run_pair(mode: str, directory: str, steps: int) -> list[dict]:
             sys.exit(f"benchmarks/data.py: a {mode} worker failed:\n{stderr[-3000:]}")
         results.append(json.loads(stdout.strip().splitlines()[-1]))
     return results
+
+
+def reads(args) -> dict:
+    """Records/s of each way to read 128 random records of one shard, in this process."""
+    import glob  # pylint: disable=import-outside-toplevel
+
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+
+    path = sorted(glob.glob(os.path.join(args.dir, "array_record", "train-*")))[0]
+    ways = {"read(positions), 32 KiB buffer": (32768, lambda r, ps: r.read(ps)),
+            "read(p, p + 1) each, 32 KiB buffer": (32768, lambda r, ps: [r.read(p, p + 1) for p in ps]),
+            "read(p, p + 1) each, 16 KiB buffer": (16384, lambda r, ps: [r.read(p, p + 1) for p in ps])}
+    out = {}
+    for name, (buffer, read) in ways.items():
+        reader = array_record_module.ArrayRecordReader(path, "readahead_buffer_size:0", file_reader_buffer_size=buffer)
+        rng, count, started = np.random.default_rng(0), 0, time.perf_counter()
+        while time.perf_counter() - started < 3:
+            read(reader, rng.integers(0, reader.num_records(), 128).tolist())
+            count += 128
+        out[name] = count / (time.perf_counter() - started)
+        reader.close()
+    return out
+
+
+def per_core(modes, directory: str, args) -> dict:
+    """Examples/s of one worker alone on 1 core and on every core, each side in turn."""
+    counts = (1, os.cpu_count())
+    runs = {f"{mode}@{cores}": [] for mode in modes for cores in counts}
+    for rep in range(args.reps):
+        for mode in (modes if rep % 2 == 0 else modes[::-1]):
+            for cores in counts:
+                runs[f"{mode}@{cores}"] += run_pair(mode, directory, args.steps, cores, cores=cores)
+    figures = {key: spread(r["examples_per_second"] for r in values) for key, values in runs.items()}
+    print("one worker alone, examples/s: " + "; ".join(
+        f"{key.replace('@', ' on ')} cores {value['median']:.0f}" for key, value in figures.items()), flush=True)
+    return {"cores": list(counts), "examples_per_second": figures}
 
 
 def main(argv=None):
@@ -166,11 +243,15 @@ def main(argv=None):
     parser.add_argument("--dir", default="/var/tmp/distrib_tf_bench_data", help="where the datasets are written")
     parser.add_argument("--out", default=os.path.join(HERE, "data.json"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", choices=["ours", "tfrecord"], help=argparse.SUPPRESS)
+    parser.add_argument("--grain", action="store_true",
+                        help="also the Grain route (benchmarks/grain_route.py; needs `pip install grain`)")
+    parser.add_argument("--grain_processes", type=int, default=2, help="child processes per worker, Grain route")
+    parser.add_argument("--mode", choices=["ours", "tfrecord", "grain", "reads", "same_batches"],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args)))
+        print(json.dumps({"reads": reads, "same_batches": same_batches}.get(args.mode, worker)(args)))
         return
     started, results = time.time(), {"environment": environment(), "reps": args.reps, "steps": args.steps,
                                      "record_bytes": RECORD, "global_batch_size": GLOBAL_BATCH, "sizes": {}}
@@ -178,10 +259,11 @@ def main(argv=None):
         directory = os.path.join(args.dir, f"{size:g}gb")
         dataset = generate(directory, size)
         _warm(directory)
-        runs = {"ours": [], "tfrecord": []}
+        modes = ("ours", "tfrecord", "grain") if args.grain else ("ours", "tfrecord")
+        runs = {mode: [] for mode in modes}
         for rep in range(args.reps):
-            for mode in (("ours", "tfrecord") if rep % 2 == 0 else ("tfrecord", "ours")):
-                runs[mode] += run_pair(mode, directory, args.steps)
+            for mode in (modes if rep % 2 == 0 else modes[::-1]):
+                runs[mode] += run_pair(mode, directory, args.steps, args.grain_processes)
         train_bytes = dataset["count"] * RECORD
         figures = {"examples": dataset["count"], "train_bytes": train_bytes,
                    "bytes_read_fraction_of_split": spread(r["bytes_read"] / train_bytes for r in runs["ours"])}
@@ -194,7 +276,24 @@ def main(argv=None):
             a["examples_per_second"] / b["examples_per_second"] for a, b in zip(runs["ours"], runs["tfrecord"]))
         figures["resume_ratio"] = spread(
             r[f"first_batch_seconds_at_{FAR_STEP}"] / r[f"first_batch_seconds_at_{NEAR_STEP}"] for r in runs["ours"])
+        if args.grain:
+            figures["grain_processes"] = args.grain_processes
+            figures["grain_examples_per_second"] = spread(r["examples_per_second"] for r in runs["grain"])
+            figures["grain_peak_rss_bytes"] = spread(r["peak_rss_bytes"] for r in runs["grain"])
+            figures["grain_throughput_ratio"] = spread(
+                a["examples_per_second"] / b["examples_per_second"] for a, b in zip(runs["grain"], runs["tfrecord"]))
+            print(f"{size:g} GiB: Grain route ({args.grain_processes} processes a worker) "
+                  f"{figures['grain_examples_per_second']['median']:.0f} examples/s per worker "
+                  f"(ratio {figures['grain_throughput_ratio']['median']:.3f})", flush=True)
         results["sizes"][f"{size:g}"] = figures
+        if "per_core" not in results:
+            results["reads"] = run_pair("reads", directory, args.steps, 0, cores=1)[0]
+            print("records/s on one core: " + "; ".join(f"{k} {v:.0f}" for k, v in results["reads"].items()),
+                  flush=True)
+            results["per_core"] = per_core(modes, directory, args)
+            if args.grain:
+                results["grain_same_batches"] = run_pair("same_batches", directory, args.steps, 0, cores=2)[0]
+                print(f"Grain route, the same batches as ours: {results['grain_same_batches']}", flush=True)
         print(f"{size:g} GiB: ours {figures['examples_per_second']['median']:.0f} examples/s per worker, "
               f"TFRecord {figures['tfrecord_examples_per_second']['median']:.0f} "
               f"(ratio {figures['throughput_ratio']['median']:.3f}); peak RSS "

@@ -153,6 +153,27 @@ def data_tables(bench) -> list[str]:
     if "rss_growth_bytes" in bench:
         lines += ["", f"Peak RSS growth from the smallest to the largest dataset (medians): "
                       f"{bench['rss_growth_bytes'] / 2**20:+.0f} MiB (goal: within +256 MiB)."]
+    routes = [(size, row) for size, row in bench["sizes"].items() if "grain_examples_per_second" in row]
+    if routes:
+        lines += ["", "| dataset | route | examples/s per worker | / plain TFRecord | peak RSS per worker, MiB |",
+                  "| --- | --- | --- | --- | --- |"]
+        for size, row in routes:
+            lines.append(f"| {size} GiB | ours (in the worker) | {fmt(row['examples_per_second'], 0)} | "
+                         f"{fmt(row['throughput_ratio'], 2)} | {fmt(mib(row['peak_rss_bytes']), 0)} |")
+            lines.append(f"| {size} GiB | Grain, {row['grain_processes']} child processes a worker | "
+                         f"{fmt(row['grain_examples_per_second'], 0)} | {fmt(row['grain_throughput_ratio'], 2)} | "
+                         f"{fmt(mib(row['grain_peak_rss_bytes']), 0)} (the worker's alone) |")
+    if "reads" in bench:
+        lines += ["", "| one core, 128 random records of one shard a call | records/s |", "| --- | --- |"]
+        lines += [f"| `{way}` | {rate:.0f} |" for way, rate in bench["reads"].items()]
+    if "per_core" in bench:
+        low, high = bench["per_core"]["cores"]
+        figures = bench["per_core"]["examples_per_second"]
+        lines += ["", f"| one worker alone, examples/s | on {low} core | on {high} cores | {high} / {low} |",
+                  "| --- | --- | --- | --- |"]
+        for mode in dict.fromkeys(key.split("@")[0] for key in figures):
+            one, all_ = figures[f"{mode}@{low}"], figures[f"{mode}@{high}"]
+            lines.append(f"| {mode} | {fmt(one, 0)} | {fmt(all_, 0)} | {all_['median'] / one['median']:.2f} |")
     return lines
 
 
@@ -202,6 +223,9 @@ def main():
     bench_data = _load(folder, "data.json")
     if bench_data:
         print("\n".join(["## make bench-data", ""] + data_tables(bench_data) + [""]))
+    before = _load(folder, "data.before.json")
+    if before:
+        print("\n".join(["Before (`data.before.json`):", ""] + data_tables(before) + [""]))
     overhead = _load(folder, "overhead.json")
     if overhead:
         print("\n".join(["## make bench-overhead", ""]

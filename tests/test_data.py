@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
+from array_record.python import array_record_module
 
 from cluster_runner import check_ok
 from cluster_runner import local_spec
 from cluster_runner import run_cluster
 from distrib_tf import data
 from distrib_tf.data import order
+from distrib_tf.data import records
 from distrib_tf.data import tfds_source
 
 HERE = os.path.dirname(__file__)
@@ -158,6 +160,22 @@ def test_a_streamed_copy_gives_the_in_memory_batches_byte_for_byte(prepared_shap
             assert x1.tobytes() == x2.tobytes() and y1.tobytes() == y2.tobytes()
 
 
+def test_the_reader_gives_each_id_its_own_record_across_files_in_any_order(prepared_shapes):
+    """`RecordReader` against each file read on its own, record by record: ids from every
+    shard, out of order, repeated, as rows (`tensor` encoding) and as strings."""
+    shards = records.split_shards(prepared_shapes.data_dir, records.read_meta(prepared_shapes.data_dir), "train")
+    expected = []
+    for path in shards.paths:
+        reader = array_record_module.ArrayRecordReader(path)
+        expected += reader.read_all()
+        reader.close()
+    ends = np.cumsum(shards.counts)
+    ids = np.array([ends[-1] - 1, 0, ends[0], ends[0] - 1, 7, 7, ends[1] + 3, ends[2]], dtype=np.int64)
+    reader = records.RecordReader(shards, record_bytes=len(expected[0]))
+    assert [row.tobytes() for row in reader.rows(ids)] == [expected[i] for i in ids]
+    assert list(reader(ids)) == [expected[i] for i in ids]
+
+
 def _ids(pipelines, replicas, *, n, batch, seed=3, start_step=0, steps):
     """Global batches of ids, step by step, put together from every pipeline of a layout."""
     local = replicas // pipelines
@@ -212,15 +230,18 @@ def test_two_workers_see_every_example_once_per_epoch(tmp_path):
 
 # The process's own peak (VmHWM): getrusage's ru_maxrss keeps the parent's peak across exec,
 # so a worker started by this test process reported the test's 2.25 GB as its own.
-PEAK_RSS = ("import atexit, re, runpy, sys; atexit.register(lambda: print('peak_rss_kib', re.search("
-            "r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1), flush=True)); "
+# Printed at the end, whichever way the task leaves: a job of several workers leaves through
+# `os._exit` (`distrib_tf.run.ending.leave_together`), without `atexit`.
+PEAK_RSS = ("import atexit, os, re, runpy, sys; "
+            "peak = lambda: print('peak_rss_kib', re.search(r'VmHWM:\\s+(\\d+)', "
+            "open('/proc/self/status').read()).group(1), flush=True); "
+            "atexit.register(peak); leave = os._exit; os._exit = lambda code: (peak(), leave(code)); "
             "sys.argv = ['distrib_tf.train', *sys.argv[1:]]; runpy.run_module('distrib_tf.train', run_name='__main__')")
 
 
 def _synthetic(out, gigabytes, shards):
     """Random 64x64x3 uint8 images in `tensor` records, written in 1024-example batches."""
     from distrib_tf.data import prepare  # pylint: disable=import-outside-toplevel
-    from distrib_tf.data import records  # pylint: disable=import-outside-toplevel
 
     count = int(gigabytes * 2**30 / (64 * 64 * 3 + 8))
     os.makedirs(out)

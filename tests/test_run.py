@@ -191,6 +191,7 @@ def test_preempted_on_two_workers_resumes_on_one_process_where_the_uninterrupted
     assert not (model_dir / "backup").exists()  # The gone tasks' backups went at the end.
 
 
+@pytest.mark.slow  # 39 s: make soak. make test-engines plays a grow onto an empty disk (JobSet 1 -> 2).
 def test_a_grow_from_two_workers_to_three_the_new_one_on_an_empty_disk(tmp_path):
     """Preempted on 2 workers with their own disks, resumed on 3: worker:2's disk is empty, it
     gets the step and the state from worker:0 over the collective. A global batch of 48 (24

@@ -7,10 +7,10 @@ takes a vector of example ids (`distrib_tf.data.order`) and returns that batch:
 
 - offline datasets: gathered from the arrays in memory (they are small);
 - `array_record:DIR`: the records fetched by index from the ArrayRecord shards (a batch
-  at a time, one read per file of the batch, several batches at once in the input
-  pipeline's threads), then
-  decoded in the graph: raw tensors by `tf.io.decode_raw`, images by `tf.io.decode_image`
-  and resized, on the worker that trains on them and for its own examples only;
+  at a time, several batches at once in the input pipeline's threads,
+  `records.RecordReader`), then decoded in the graph on the worker that trains on them
+  and for its own examples only: raw tensors come as one uint8 array of rows, sliced and
+  bitcast (no string per record); images by `tf.io.decode_image`, resized;
 - TFDS datasets: through `tfds.data_source` (`distrib_tf.data.tfds_source`).
 
 A pipeline reads only the ids it is given, so a worker reads its own share of a split.
@@ -67,7 +67,7 @@ def _array_record_reader(info: registry.DatasetInfo, split: str):
         dtype = tf.as_dtype(meta["dtype"])
         size = int(np.prod(shape)) * dtype.size
         fetch = records.RecordReader(shards, record_bytes=size + 8)
-        return lambda ids: _decode_tensors(_fetch(fetch, ids), dtype, size, shape)
+        return lambda ids: _decode_rows(_fetch_rows(fetch, ids, size + 8), dtype, size, shape)
     fetch = records.RecordReader(shards)
     return lambda ids: _decode_images(_fetch(fetch, ids), shape)
 
@@ -78,13 +78,24 @@ def _fetch(fetch: records.RecordReader, ids) -> tf.Tensor:
     return found
 
 
-def _decode_tensors(found: tf.Tensor, dtype: tf.DType, size: int, shape: list[int]):
-    """Raw tensors and int64 labels; uint8 images become float32 in [0, 1], as TFDS images do."""
-    x = tf.reshape(tf.io.decode_raw(tf.strings.substr(found, 0, size), dtype), [-1, *shape])
-    y = tf.io.decode_raw(tf.strings.substr(found, size, 8), tf.int64)
+def _fetch_rows(fetch: records.RecordReader, ids, record_bytes: int) -> tf.Tensor:
+    found = tf.numpy_function(fetch.rows, [ids], tf.uint8, stateful=False)
+    found.set_shape([None, record_bytes])
+    return found
+
+
+def _decode_rows(rows: tf.Tensor, dtype: tf.DType, size: int, shape: list[int]):
+    """Raw tensors and int64 labels from records of one size (the tensor's bytes, then its
+    label, little-endian as the hosts TensorFlow runs on); uint8 images become float32 in
+    [0, 1], as TFDS images do."""
+    x = rows[:, :size]
+    if dtype != tf.uint8:
+        x = tf.bitcast(tf.reshape(x, [-1, size // dtype.size, dtype.size]), dtype)
+    x = tf.reshape(x, [-1, *shape])
+    y = tf.bitcast(tf.reshape(rows[:, size:], [-1, 8]), tf.int64)
     if dtype == tf.uint8:
         x = tf.cast(x, tf.float32) / 255.0
-    return x, tf.reshape(y, [-1])
+    return x, y
 
 
 IMAGE_FEATURES = {

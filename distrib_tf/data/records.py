@@ -217,12 +217,17 @@ def _close_guards() -> None:
 
 
 class RecordReader:
-    """Reads records of one split by example id, a batch at a time, one call per file.
+    """Reads records of one split by example id, a batch at a time.
+
+    Each record is read alone, as a range of one (`read(p, p + 1)`), in the ids' order:
+    array_record's `read(indices)` walks every chunk of the file on each call (one chunk a
+    record here) and fans out to a pool of 64 spinning threads; a range of one record is
+    read in place, the GIL released, through a 16 KiB file buffer: one core went from 19,815
+    to 63,810 records/s (`make bench-data`, BENCHMARKS.md).
 
     The files are opened on first use, once per process whatever the number of pipelines
-    (each `fit`, validation and evaluate builds its own), and read a batch's positions in
-    parallel (ArrayRecord's own threads); tf.data runs several batches at once. At exit the
-    files are closed (`ExitGuard`).
+    (each `fit`, validation and evaluate builds its own); tf.data runs several batches at
+    once. At exit the files are closed (`ExitGuard`).
     """
 
     def __init__(self, shards: Shards, *, record_bytes: int | None = None):
@@ -230,19 +235,32 @@ class RecordReader:
         self._guard = ExitGuard()
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
-        files, positions = self.shards.locate(np.asarray(ids, dtype=np.int64))
-        found = np.empty(len(files), dtype=object)
-        with self._guard.call():
-            for index in np.unique(files):
-                rows = np.flatnonzero(files == index)
-                found[rows] = _open(self.shards.paths[index]).read([int(p) for p in positions[rows]])
-        if self.record_bytes is not None:
-            for row in range(len(found)):
-                if len(found[row]) != self.record_bytes:
-                    raise DataError(f"Record {positions[row]} of {self.shards.paths[files[row]]} has "
-                                    f"{len(found[row])} bytes. Expected {self.record_bytes}: the shard changed "
-                                    "after prepare.")
+        """The records with those ids, as an object array of `bytes` (records of any size)."""
+        files, positions, read = self._read(ids)
+        found = np.empty(len(read), dtype=object)
+        found[:] = read
         return found
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """The records with those ids as the rows of one `[len(ids), record_bytes]` uint8 array.
+
+        For records of one size (`tensor` encoding): numbers, not strings, for the graph to
+        slice; one copy beyond the reader's own (the join).
+        """
+        files, positions, read = self._read(ids)
+        joined = b"".join(read)
+        if len(joined) != len(read) * self.record_bytes:
+            row = next(i for i, record in enumerate(read) if len(record) != self.record_bytes)
+            raise DataError(f"Record {positions[row]} of {self.shards.paths[files[row]]} has {len(read[row])} bytes. "
+                            f"Expected {self.record_bytes}: the shard changed after prepare.")
+        return np.frombuffer(joined, dtype=np.uint8).reshape(len(read), self.record_bytes)
+
+    def _read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+        files, positions = self.shards.locate(np.asarray(ids, dtype=np.int64))
+        with self._guard.call():
+            readers = [_open(path) for path in self.shards.paths]
+            read = [readers[f].read(p, p + 1)[0] for f, p in zip(files.tolist(), positions.tolist())]
+        return files, positions, read
 
 
 _FILES: dict = {}  # Path: its ArrayRecordReader, shared by every pipeline of the process.
@@ -253,7 +271,7 @@ def _open(path: str):
     with _FILES_LOCK:
         if path not in _FILES:  # Options as for random access (array_record's data source).
             _FILES[path] = array_record_module.ArrayRecordReader(
-                path, "readahead_buffer_size:0", file_reader_buffer_size=32768)
+                path, "readahead_buffer_size:0", file_reader_buffer_size=16384)
         return _FILES[path]
 
 
