@@ -22,7 +22,7 @@ train: $(STAMP)
 	    -- $(PY) -m distrib_tf.train --model=cnn --model_dir=runs/cnn
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=10 -m "not slow and not engines"
+	$(PY) -m pytest -q --durations=40 -m "not slow and not engines"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not multiworker and not slow and not engines"

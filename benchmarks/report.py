@@ -163,6 +163,9 @@ def data_tables(bench) -> list[str]:
             lines.append(f"| {size} GiB | Grain, {row['grain_processes']} child processes a worker | "
                          f"{fmt(row['grain_examples_per_second'], 0)} | {fmt(row['grain_throughput_ratio'], 2)} | "
                          f"{fmt(mib(row['grain_peak_rss_bytes']), 0)} (the worker's alone) |")
+    if "grain_same_batches" in bench:
+        lines += ["", "The Grain route gives the batches of `ours` byte for byte (pipeline 1 of 2): " + ", ".join(
+            f"{steps} {'yes' if same else 'NO'}" for steps, same in bench["grain_same_batches"].items()) + "."]
     if "reads" in bench:
         lines += ["", "| one core, 128 random records of one shard a call | records/s |", "| --- | --- |"]
         lines += [f"| `{way}` | {rate:.0f} |" for way, rate in bench["reads"].items()]

@@ -171,6 +171,7 @@ def test_the_main_job_runs_a_users_model_and_data_by_name(tmp_path):
     assert len(set(_fingerprints(result.stdout).values())) == 1
 
 
+@pytest.mark.slow  # 25 s: make soak. make test-engines plays 2 -> 1 on Slurm and on a JobSet.
 def test_preempted_on_two_workers_resumes_on_one_process_where_the_uninterrupted_run_ends(tmp_path, uninterrupted):
     """Issue 32's first case: `--workers=1` on a directory that 2 workers wrote started
     again from step 0 without a word. The single process resumes from a gone task's backup;

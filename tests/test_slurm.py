@@ -91,7 +91,7 @@ def _started_at(output: str) -> list[str]:
 
 
 @pytest.mark.multiworker
-@pytest.mark.slow  # 28 s: make soak (the two-node job runs in make test).
+@pytest.mark.slow  # 28 s: make soak (make test-engines runs a step on the two nodes).
 def test_two_jobs_at_once_on_one_node_get_their_own_ports(tmp_path):
     _one_node_slurm()
     jobs = [subprocess.Popen(["srun", "-n", "2", "--oversubscribe", "--kill-on-bad-exit=1", "--time=10",
@@ -127,6 +127,7 @@ def two_nodes(tmp_path):
 
 
 @pytest.mark.multiworker
+@pytest.mark.slow  # 32 s: make soak. make test-engines runs a step of 2 tasks on the 2 nodes, preempted, resumed.
 def test_main_job_across_two_nodes_two_tasks_each(tmp_path, two_nodes):
     show = "echo PLACED $(hostname) $SLURM_PROCID $LOCAL_RANK $LOCAL_WORLD_SIZE; exec \"$@\""
     result = subprocess.run(
