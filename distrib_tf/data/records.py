@@ -222,8 +222,8 @@ class RecordReader:
     Each record is read alone, as a range of one (`read(p, p + 1)`), in the ids' order:
     array_record's `read(indices)` walks every chunk of the file on each call (one chunk a
     record here) and fans out to a pool of 64 spinning threads; a range of one record is
-    read in place, the GIL released, through a 16 KiB file buffer: one core went from 19,815
-    to 63,810 records/s (`make bench-data`, BENCHMARKS.md).
+    read in place, the GIL released, through a 16 KiB file buffer: one core went from 24,249
+    to 78,224 records/s (`make bench-data`, BENCHMARKS.md).
 
     The files are opened on first use, once per process whatever the number of pipelines
     (each `fit`, validation and evaluate builds its own); tf.data runs several batches at
@@ -236,7 +236,7 @@ class RecordReader:
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
         """The records with those ids, as an object array of `bytes` (records of any size)."""
-        files, positions, read = self._read(ids)
+        *_, read = self._read(ids)
         found = np.empty(len(read), dtype=object)
         found[:] = read
         return found
@@ -258,7 +258,7 @@ class RecordReader:
     def _read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
         files, positions = self.shards.locate(np.asarray(ids, dtype=np.int64))
         with self._guard.call():
-            readers = [_open(path) for path in self.shards.paths]
+            readers = {f: _open(self.shards.paths[f]) for f in set(files.tolist())}
             read = [readers[f].read(p, p + 1)[0] for f, p in zip(files.tolist(), positions.tolist())]
         return files, positions, read
 
