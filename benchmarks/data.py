@@ -15,15 +15,16 @@ alone and interleaved with the other side, `--reps` times:
   .map(parse).batch(128).prefetch(AUTOTUNE)`, the same share, no shuffle: its examples/s.
 
 - `grain` (`--grain`, needs the `bench` extra): the Grain route (`benchmarks/grain_route.py`):
-  the same slices, read in `--grain_processes` child processes per worker; checked first to
-  give `ours`'s batches byte for byte (pipeline 1, 6 steps from step 0 and from 100,000).
+  the same slices, read in `--grain_processes` child processes per worker; on the first size
+  it is also checked to give the batches of `ours` byte for byte (pipeline 1, 6 steps from
+  step 0 and from step 100,000).
 
 Then, on the first size, the ways array_record reads records by index (`--mode=reads`,
 one process pinned to one core, 128 random positions of one shard a call, 3 s each):
-`read(positions)` as one call, and one record at a time as a range of one, `read(p, p + 1)`,
-with 16 and 32 KiB file buffers. And per core: one worker alone (pipeline 0 of 2), pinned to 1 core and
-then given both, each side in turn, `--reps` times (the Grain route with as many child
-processes as cores): how each side's examples/s grows with cores.
+`read(positions)` as one call, and one record at a time as a range of one,
+`read(p, p + 1)`, with 16 and 32 KiB file buffers. And per core: one worker alone (pipeline
+0 of 2), pinned to 1 core and then given both, each side in turn, `--reps` times (the Grain
+route with as many child processes as cores): how each side's examples/s grows with cores.
 
 Both sides read from the page cache (each file is read once before the runs). Writes
 `data.json` with min, median and max of every figure.
