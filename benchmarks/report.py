@@ -63,6 +63,17 @@ def bench_tables(results, previous) -> list[str]:
     return lines
 
 
+def _ms(seconds) -> dict:
+    return {k: v * 1e3 for k, v in seconds.items() if k != "values"}
+
+
+def _step_ms(examples_per_second, batch=32) -> dict:
+    """A worker's step in ms from its examples/s (min and max swap)."""
+    step = {k: batch * 1e3 / v for k, v in examples_per_second.items() if k != "values"}
+    step["min"], step["max"] = step["max"], step["min"]
+    return step
+
+
 def scaling_tables(scaling) -> list[str]:
     lines = [f"Run of {scaling['environment']['date']}, {scaling['reps']} repetitions per cell, "
              f"{scaling['seconds']:.0f} s.", "",
@@ -87,12 +98,27 @@ def scaling_tables(scaling) -> list[str]:
         for link, row in bounded:
             for model in ("cnn", "transformer"):
                 cell = row[model]
-                step = {k: 32e3 / v for k, v in cell["one_worker_examples_per_second"].items() if k != "values"}
-                step["min"], step["max"] = step["max"], step["min"]
-                ms = {k: v * 1e3 for k, v in cell["collectives_step_seconds"].items() if k != "values"}
+                step, ms = _step_ms(cell["one_worker_examples_per_second"]), _ms(cell["collectives_step_seconds"])
                 lines.append(f"| {link} | {model} | {fmt(step, 1)} | {fmt(ms, 1)} | {cell['gradient_bytes'] / 1e6:.2f} "
                              f"| {fmt(cell['bound'], 2)} | {fmt(cell['efficiency'], 2)} | "
                              f"{fmt(cell['fraction_of_bound'], 2)} | {fmt(cell['link_bound'], 2)} |")
+    split = [(link, row) for link, row in bounded if "machine_bound" in row["cnn"]]
+    if split:
+        lines += ["", "Where the two workers' step goes, against a worker alone and two single workers side by side "
+                  "(no communication), and the machine's bound:", "",
+                  "| link | model | alone, ms | side by side, ms | two workers: step, ms | their own step, ms "
+                  "| their wait, ms | collectives alone, ms | machine's bound | fraction of it |",
+                  "| --- |" + " --- |" * 9]
+        for link, row in split:
+            for model in ("cnn", "transformer"):
+                cell = row[model]
+                two, own = cell["two_workers_step_seconds"], cell["two_workers_own_step_seconds"]
+                wait = two["median"] - own["median"]  # A difference of medians, named as such.
+                lines.append(f"| {link} | {model} | {fmt(_step_ms(cell['one_worker_examples_per_second']), 1)} | "
+                             f"{fmt(_step_ms(cell['side_by_side_examples_per_second']), 1)} | "
+                             f"{fmt(_ms(two), 1)} | {fmt(_ms(own), 1)} | {1e3 * wait:.1f} | "
+                             f"{fmt(_ms(cell['collectives_step_seconds']), 1)} | {fmt(cell['machine_bound'], 2)} | "
+                             f"{fmt(cell['fraction_of_machine_bound'], 2)} |")
     apart = [(link, row) for link, row in bounded if "efficiency_logs_apart" in row["cnn"]]
     if apart:
         lines += ["", "One collective a step (the logs in the gradients' pack) against two (the logs apart, as "

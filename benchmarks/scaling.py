@@ -8,6 +8,8 @@ a core of its own (`taskset`, one intra-op and one inter-op thread), so that com
 not compete. Per model and link, alternately, `--reps` times:
 
 - one pinned worker alone (`--strategy=one_device`, batch 32);
+- two such single workers side by side, one per host, at once and apart (no communication):
+  what one worker's step costs while the other core computes too;
 - two pinned workers, one per host, by TF_CONFIG (global batch 64: 32 each).
 
 Weak-scaling efficiency = examples/s of the two / (2 x examples/s of the one), the
@@ -20,7 +22,12 @@ seconds a step. With `t` the one worker's
 step, the efficiency these collectives allow is t / (t + c) (TensorFlow's collectives on this
 link and core), and ours is reported as a fraction of it. Beside it, the link's own bound:
 t / (t + gradient bytes / shaped rate) (a 2-rank ring sends each byte once each way), what a
-collective with no latency and no CPU cost would allow. Then the all-reduce
+collective with no latency and no CPU cost would allow. And this machine's bound:
+t / (s + c), with `s` the step of a worker side by side with another (the compute the two
+cores give when both compute, here shared caches and a shared host), the efficiency two
+workers could reach if their only cost beyond that were the collectives alone. The two
+workers' own step time (their step without its wait on the all-reduce, as
+`distrib_tf.keras.progress` measures it) splits their step into compute and wait. Then the all-reduce
 bus bandwidth between the two hosts (`allreduce.py`) as a fraction of the shaped rate,
 beside the rate `iperf3 --bidir` measures each way over the same link. Writes
 `scaling.json` and `scaling.png`.
@@ -101,21 +108,40 @@ def _tf_config(index: int, port: int = 2222) -> str:
     return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
 
 
-def train_rate(scratch, model, workers, *, epochs, steps, tag, logs_apart=False) -> tuple[float, int]:
-    """The training steps' examples/s, and how many values a step logs. `logs_apart`: the
-    step as it was before `distrib_tf.keras.step_logs`, its logs in a collective of their own."""
+def train_rate(scratch, model, workers, *, epochs, steps, tag, logs_apart=False) -> tuple[float, int, float | None]:
+    """The training steps' examples/s (of each worker for "side"), how many values a step logs,
+    and for two workers their own step time: the step without its wait on the all-reduce, as
+    `distrib_tf.keras.progress` measures it (median over the epochs after the first, mean of
+    the two). `workers`: 1, 2, or "side" (two single workers at once, one per host, no
+    communication). `logs_apart`: the step as it was before `distrib_tf.keras.step_logs`,
+    its logs in a collective of their own."""
     model_dir = f"{scratch}/{tag}"
-    flags = [f"--model={model}", f"--epochs={epochs}", f"--steps_per_epoch={steps}", f"--model_dir={model_dir}"]
+    flags = [f"--model={model}", f"--epochs={epochs}", f"--steps_per_epoch={steps}"]
     command = ([PY, os.path.join(HERE, "overhead.py"), "--worker", "logs_in_gradients", *flags] if logs_apart
                else [PY, "-m", "distrib_tf.train", *flags])
+    alone = [*command, "--strategy=one_device", "--global_batch_size=32"]
     if workers == 1:
-        _wait([on_host(0, [*command, "--strategy=one_device", "--global_batch_size=32"])])
+        _wait([on_host(0, [*alone, f"--model_dir={model_dir}"])])
+    elif workers == "side":
+        _wait([on_host(i, [*alone, f"--model_dir={model_dir}_{i}"]) for i in range(2)])
+        rates = [_summary(f"{model_dir}_{i}")["examples_per_second"] for i in range(2)]
+        return statistics.mean(rates), 0, None
     else:
-        _wait([on_host(i, [*command, "--global_batch_size=64"], {"TF_CONFIG": _tf_config(i)}) for i in range(2)])
+        _wait([on_host(i, [*command, f"--model_dir={model_dir}", "--global_batch_size=64"],
+                       {"TF_CONFIG": _tf_config(i)}) for i in range(2)])
+    summary = _summary(model_dir)
+    epoch_keys = {"epoch", "epoch_seconds", "examples_per_second"}  # Written once an epoch, not by the step.
+    logged = [k for k in summary["epochs"][0] if k not in epoch_keys and not k.startswith(("val_", "step_seconds_"))]
+    own = None
+    if workers == 2:
+        own = statistics.mean(statistics.median(e[f"step_seconds_worker_{i}"] for e in summary["epochs"][1:])
+                              for i in range(2))
+    return summary["examples_per_second"], len(logged), own
+
+
+def _summary(model_dir) -> dict:
     with open(f"{model_dir}/summary.json") as f:
-        summary = json.load(f)
-    logged = [k for k in summary["epochs"][0] if k != "epoch" and not k.startswith("val_")]
-    return summary["examples_per_second"], len(logged)
+        return json.load(f)
 
 
 def collectives_seconds(scratch, model, logged, steps, tag) -> tuple[float, int]:
@@ -196,29 +222,40 @@ def main(argv=None):
                              client_prefix=["ip", "netns", "exec", HOSTS[1][0]]) for _ in range(reps)),
                 "shaped_bytes_per_second": bits / 8}
             for model in ("cnn", "transformer"):
-                one, two, apart, collectives, logged, gradient_bytes = [], [], [], [], 0, 0
-                cases = (1, 2, "c", *(["apart"] if args.logs_apart else []))
+                one, side, two, own, apart, collectives, logged, gradient_bytes = [], [], [], [], [], [], 0, 0
+                cases = (1, "side", 2, "c", *(["apart"] if args.logs_apart else []))
                 for rep in range(reps):
                     for workers in (cases if rep % 2 == 0 else cases[::-1]):
                         tag = f"{rate}_{model}_{workers}_{rep}"
                         if workers == "c":  # The bound: the step's collectives alone.
-                            seconds, gradient_bytes = collectives_seconds(scratch, model, logged or 4,
+                            seconds, gradient_bytes = collectives_seconds(scratch, model, logged or 3,
                                                                           40 if args.tiny else 300, tag)
                             collectives.append(seconds)
                             continue
-                        rate_, logged = train_rate(scratch, model, 1 if workers == 1 else 2, epochs=epochs,
-                                                   steps=steps, tag=tag, logs_apart=workers == "apart")
-                        {1: one, 2: two, "apart": apart}[workers].append(rate_)
+                        rate_, logged_, own_ = train_rate(scratch, model, 2 if workers == "apart" else workers,
+                                                          epochs=epochs, steps=steps, tag=tag,
+                                                          logs_apart=workers == "apart")
+                        logged = logged_ or logged
+                        {1: one, "side": side, 2: two, "apart": apart}[workers].append(rate_)
+                        if workers == 2:
+                            own.append(own_)
                 efficiency = [b / (2 * a) for a, b in zip(one, two)]
                 step = [32 / a for a in one]  # The one worker's step: its batch is 32.
+                side_step = [32 / a for a in side]  # The same, while the other core runs another.
                 bound = [t / (t + c) for t, c in zip(step, collectives)]
+                machine_bound = [t / (s + c) for t, s, c in zip(step, side_step, collectives)]
                 row[model] = {"one_worker_examples_per_second": spread(one),
+                              "side_by_side_examples_per_second": spread(side),
                               "two_workers_examples_per_second": spread(two),
+                              "two_workers_step_seconds": spread(64 / b for b in two),
+                              "two_workers_own_step_seconds": spread(own),
                               "efficiency": spread(efficiency),
                               "collectives_step_seconds": spread(collectives), "gradient_bytes": gradient_bytes,
                               "logged_values": logged,
                               "bound": spread(bound),
                               "fraction_of_bound": spread(e / b for e, b in zip(efficiency, bound)),
+                              "machine_bound": spread(machine_bound),
+                              "fraction_of_machine_bound": spread(e / b for e, b in zip(efficiency, machine_bound)),
                               "link_bound": spread(t / (t + gradient_bytes / (bits / 8)) for t in step)}
                 if apart:
                     row[model]["two_workers_logs_apart_examples_per_second"] = spread(apart)
