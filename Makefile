@@ -27,8 +27,8 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not multiworker and not slow and not engines"
 
-# The Keras compat tests and multi-worker training tests once per Keras minor that setup.cfg
-# declares (but .venv's own), each in its own venv.
+# The Keras compat tests once per Keras minor that setup.cfg declares (but .venv's own), each
+# in its own venv; multi-worker training tests on the oldest (scripts/test_compat.sh).
 test-compat: $(STAMP)
 	scripts/test_compat.sh -k "not killed_run"
 
