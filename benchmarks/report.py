@@ -102,21 +102,21 @@ def scaling_tables(scaling) -> list[str]:
                 lines.append(f"| {link} | {model} | {fmt(step, 1)} | {fmt(ms, 1)} | {cell['gradient_bytes'] / 1e6:.2f} "
                              f"| {fmt(cell['bound'], 2)} | {fmt(cell['efficiency'], 2)} | "
                              f"{fmt(cell['fraction_of_bound'], 2)} | {fmt(cell['link_bound'], 2)} |")
-    split = [(link, row) for link, row in bounded if "machine_bound" in row["cnn"]]
+    split = [(link, row) for link, row in bounded if "two_workers_collective_seconds" in row["cnn"]]
     if split:
-        lines += ["", "Where the two workers' step goes, against a worker alone and two single workers side by side "
-                  "(no communication), and the machine's bound:", "",
-                  "| link | model | alone, ms | side by side, ms | two workers: step, ms | their own step, ms "
-                  "| their wait, ms | collectives alone, ms | machine's bound | fraction of it |",
-                  "| --- |" + " --- |" * 9]
+        lines += ["", "Where the two workers' step goes (medians over their steps, `step_times.py`), against a worker "
+                  "alone, two single workers side by side (no communication) and the collectives alone; the "
+                  "machine's bound:", "",
+                  "| link | model | alone, ms | side by side, ms | two: step, ms | own step, ms | wait, ms "
+                  "| of which the collective, ms | of which the other worker, ms | collectives alone, ms "
+                  "| machine's bound | fraction of it |", "| --- |" + " --- |" * 11]
         for link, row in split:
             for model in ("cnn", "transformer"):
                 cell = row[model]
-                two, own = cell["two_workers_step_seconds"], cell["two_workers_own_step_seconds"]
-                wait = two["median"] - own["median"]  # A difference of medians, named as such.
+                parts = " | ".join(fmt(_ms(cell[f"two_workers_{part}_seconds"]), 1)
+                                   for part in ("wall", "own", "wait", "collective", "peer"))
                 lines.append(f"| {link} | {model} | {fmt(_step_ms(cell['one_worker_examples_per_second']), 1)} | "
-                             f"{fmt(_step_ms(cell['side_by_side_examples_per_second']), 1)} | "
-                             f"{fmt(_ms(two), 1)} | {fmt(_ms(own), 1)} | {1e3 * wait:.1f} | "
+                             f"{fmt(_step_ms(cell['side_by_side_examples_per_second']), 1)} | {parts} | "
                              f"{fmt(_ms(cell['collectives_step_seconds']), 1)} | {fmt(cell['machine_bound'], 2)} | "
                              f"{fmt(cell['fraction_of_machine_bound'], 2)} |")
     apart = [(link, row) for link, row in bounded if "efficiency_logs_apart" in row["cnn"]]

@@ -26,8 +26,9 @@ collective with no latency and no CPU cost would allow. And this machine's bound
 t / (s + c), with `s` the step of a worker side by side with another (the compute the two
 cores give when both compute, here shared caches and a shared host), the efficiency two
 workers could reach if their only cost beyond that were the collectives alone. The two
-workers' own step time (their step without its wait on the all-reduce, as
-`distrib_tf.keras.progress` measures it) splits their step into compute and wait. Then the all-reduce
+workers write every step's wall time and its wait on the all-reduce (`step_times.py`), which
+splits their step into their own compute and the wait, and the wait into the collective
+(what the worker that came last waits) and the time a worker waits for the other. Then the all-reduce
 bus bandwidth between the two hosts (`allreduce.py`) as a fraction of the shaped rate,
 beside the rate `iperf3 --bidir` measures each way over the same link. Writes
 `scaling.json` and `scaling.png`.
@@ -108,16 +109,16 @@ def _tf_config(index: int, port: int = 2222) -> str:
     return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
 
 
-def train_rate(scratch, model, workers, *, epochs, steps, tag, logs_apart=False) -> tuple[float, int, float | None]:
+def train_rate(scratch, model, workers, *, epochs, steps, tag, logs_apart=False) -> tuple[float, int, dict | None]:
     """The training steps' examples/s (of each worker for "side"), how many values a step logs,
-    and for two workers their own step time: the step without its wait on the all-reduce, as
-    `distrib_tf.keras.progress` measures it (median over the epochs after the first, mean of
-    the two). `workers`: 1, 2, or "side" (two single workers at once, one per host, no
-    communication). `logs_apart`: the step as it was before `distrib_tf.keras.step_logs`,
-    its logs in a collective of their own."""
+    and for two workers where their step goes (`split_step`). `workers`: 1, 2, or "side" (two
+    single workers at once, one per host, no communication). `logs_apart`: the step as it was
+    before `distrib_tf.keras.step_logs`, its logs in a collective of their own."""
     model_dir = f"{scratch}/{tag}"
     flags = [f"--model={model}", f"--epochs={epochs}", f"--steps_per_epoch={steps}"]
+    timed = workers == 2 and not logs_apart
     command = ([PY, os.path.join(HERE, "overhead.py"), "--worker", "logs_in_gradients", *flags] if logs_apart
+               else [PY, os.path.join(HERE, "step_times.py"), *flags] if timed
                else [PY, "-m", "distrib_tf.train", *flags])
     alone = [*command, "--strategy=one_device", "--global_batch_size=32"]
     if workers == 1:
@@ -128,15 +129,31 @@ def train_rate(scratch, model, workers, *, epochs, steps, tag, logs_apart=False)
         return statistics.mean(rates), 0, None
     else:
         _wait([on_host(i, [*command, f"--model_dir={model_dir}", "--global_batch_size=64"],
-                       {"TF_CONFIG": _tf_config(i)}) for i in range(2)])
+                       {"TF_CONFIG": _tf_config(i), "STEP_TIMES_OUT": f"{model_dir}_steps_{i}.json"})
+               for i in range(2)])
     summary = _summary(model_dir)
     epoch_keys = {"epoch", "epoch_seconds", "examples_per_second"}  # Written once an epoch, not by the step.
     logged = [k for k in summary["epochs"][0] if k not in epoch_keys and not k.startswith(("val_", "step_seconds_"))]
-    own = None
-    if workers == 2:
-        own = statistics.mean(statistics.median(e[f"step_seconds_worker_{i}"] for e in summary["epochs"][1:])
-                              for i in range(2))
-    return summary["examples_per_second"], len(logged), own
+    return summary["examples_per_second"], len(logged), split_step(model_dir) if timed else None
+
+
+def split_step(model_dir) -> dict:
+    """Medians over the steps after the first epoch, in seconds, of the two workers' rows
+    (`step_times.py`): `wall`, a worker's step (mean of the two); `own`, its step without its
+    wait on the all-reduce; `wait`, that wait; `collective`, the wait of the worker that came
+    last to the all-reduce, which waits for nothing but the collective; `peer`, what a worker
+    waits beyond that for the other (mean of the two: half the gap between their arrivals)."""
+    rows = []
+    for i in range(2):
+        with open(f"{model_dir}_steps_{i}.json") as f:
+            rows.append([(wall, waited) for epoch, wall, waited in json.load(f) if epoch >= 1])
+    steps = list(zip(*rows))
+    return {"wall": statistics.median(statistics.mean(w for w, _ in step) for step in steps),
+            "own": statistics.median(statistics.mean(w - x for w, x in step) for step in steps),
+            "wait": statistics.median(statistics.mean(x for _, x in step) for step in steps),
+            "collective": statistics.median(min(x for _, x in step) for step in steps),
+            "peer": statistics.median(statistics.mean(x for _, x in step) - min(x for _, x in step)
+                                      for step in steps)}
 
 
 def _summary(model_dir) -> dict:
@@ -222,7 +239,7 @@ def main(argv=None):
                              client_prefix=["ip", "netns", "exec", HOSTS[1][0]]) for _ in range(reps)),
                 "shaped_bytes_per_second": bits / 8}
             for model in ("cnn", "transformer"):
-                one, side, two, own, apart, collectives, logged, gradient_bytes = [], [], [], [], [], [], 0, 0
+                one, side, two, splits, apart, collectives, logged, gradient_bytes = [], [], [], [], [], [], 0, 0
                 cases = (1, "side", 2, "c", *(["apart"] if args.logs_apart else []))
                 for rep in range(reps):
                     for workers in (cases if rep % 2 == 0 else cases[::-1]):
@@ -232,13 +249,13 @@ def main(argv=None):
                                                                           40 if args.tiny else 300, tag)
                             collectives.append(seconds)
                             continue
-                        rate_, logged_, own_ = train_rate(scratch, model, 2 if workers == "apart" else workers,
+                        rate_, logged_, split = train_rate(scratch, model, 2 if workers == "apart" else workers,
                                                           epochs=epochs, steps=steps, tag=tag,
                                                           logs_apart=workers == "apart")
                         logged = logged_ or logged
                         {1: one, "side": side, 2: two, "apart": apart}[workers].append(rate_)
-                        if workers == 2:
-                            own.append(own_)
+                        if split:
+                            splits.append(split)
                 efficiency = [b / (2 * a) for a, b in zip(one, two)]
                 step = [32 / a for a in one]  # The one worker's step: its batch is 32.
                 side_step = [32 / a for a in side]  # The same, while the other core runs another.
@@ -247,8 +264,8 @@ def main(argv=None):
                 row[model] = {"one_worker_examples_per_second": spread(one),
                               "side_by_side_examples_per_second": spread(side),
                               "two_workers_examples_per_second": spread(two),
-                              "two_workers_step_seconds": spread(64 / b for b in two),
-                              "two_workers_own_step_seconds": spread(own),
+                              **{f"two_workers_{part}_seconds": spread(s[part] for s in splits)
+                                 for part in ("wall", "own", "wait", "collective", "peer")},
                               "efficiency": spread(efficiency),
                               "collectives_step_seconds": spread(collectives), "gradient_bytes": gradient_bytes,
                               "logged_values": logged,

@@ -33,8 +33,13 @@ def test_benchmarks_run_at_a_tiny_size(tmp_path):
 
 def _scaling(results):
     link = results["links"]["1 Gbit/s"]
-    return (link["cnn"]["efficiency"]["median"] > 0 and link["allreduce"]["1"]["fraction_of_link"]["median"] > 0
-            and 0 < link["cnn"]["bound"]["median"] < 1 and link["transformer"]["fraction_of_bound"]["median"] > 0)
+    cnn = link["cnn"]
+    split = [cnn[f"two_workers_{part}_seconds"]["median"] for part in ("collective", "wait", "own", "wall")]
+    return (cnn["efficiency"]["median"] > 0 and link["allreduce"]["1"]["fraction_of_link"]["median"] > 0
+            and 0 < cnn["bound"]["median"] < 1 and link["transformer"]["fraction_of_bound"]["median"] > 0
+            and cnn["side_by_side_examples_per_second"]["median"] > 0 and cnn["machine_bound"]["median"] > 0
+            # Per step the last to arrive waits least, and a step is its own part and its wait.
+            and 0 < split[0] <= split[1] < split[3] and 0 < split[2] < split[3])
 
 
 def _sync(results):
