@@ -23,8 +23,8 @@ step, the efficiency these collectives allow is t / (t + c) (TensorFlow's collec
 link and core), and ours is reported as a fraction of it. Beside it, the link's own bound:
 t / (t + gradient bytes / shaped rate) (a 2-rank ring sends each byte once each way), what a
 collective with no latency and no CPU cost would allow. And this machine's bound:
-t / (s + c), with `s` the step of a worker side by side with another (the compute the two
-cores give when both compute, here shared caches and a shared host), the efficiency two
+t / (s + c), with `s` the step of a worker side by side with another (what a core computes
+while the other computes too), the efficiency two
 workers could reach if their only cost beyond that were the collectives alone. The two
 workers write every step's wall time and its wait on the all-reduce (`step_times.py`), which
 splits their step into their own compute and the wait, and the wait into the collective
