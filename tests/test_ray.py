@@ -246,25 +246,38 @@ def test_a_users_keras_fit_trains_under_ray(cluster):
     assert result["checkpoint_files"] == ["model.keras"], result  # Rank 0's model, by Ray.
 
 
-def test_a_users_script_on_the_run_api_is_preempted_and_restarted_under_ray(cluster):
+MY_SCRIPT = os.path.join(ROOT, "tests", "workers", "my_script.py")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster):
+    """A user's script (tests/workers/my_script.py) on 2 workers for 10 epochs, uninterrupted:
+    `(its final weights' fingerprint, its model_dir)`, where the preempted and the elastic
+    runs must end."""
+    run, base, _ = cluster
+    model_dir = base / "storage" / "reference"
+    output = _finish(run(["-m", "distrib_tf.deploy.ray_train", "--num_workers=2", "--max_failures=0",
+                          f"--storage_path={base / 'storage'}", "--name=reference", f"--script={MY_SCRIPT}",
+                          "--", f"--model_dir={model_dir}", "--epochs=10"]))
+    prints = _fingerprints(output)
+    assert len(prints) == 2 and len(set(prints)) == 1, output[-5000:]  # From both nodes.
+    return prints[0], model_dir
+
+
+def test_a_users_script_on_the_run_api_is_preempted_and_restarted_under_ray(cluster, uninterrupted):
     """Issue 31: a user's script (tests/workers/my_script.py), not the main job, under
     `distrib-tf-ray --script`: SIGTERM to both tasks, each backs up and exits 75, Ray restarts
     the group as a preemption (`--max_failures=0`), the run resumes and ends on the weights
     of the uninterrupted run, from both nodes."""
     run, base, tag = cluster
-    script = os.path.join(ROOT, "tests", "workers", "my_script.py")
-    reference = _finish(run(["-m", "distrib_tf.deploy.ray_train", "--num_workers=2", "--max_failures=0",
-                             f"--storage_path={base / 'storage'}", "--name=mine-reference", f"--script={script}",
-                             "--", f"--model_dir={base / 'storage' / 'mine-reference'}", "--epochs=10"]))
-    expected = set(_fingerprints(reference))
-    assert len(expected) == 1 and len(_fingerprints(reference)) == 2, reference[-5000:]
+    expected = {uninterrupted[0]}
     model_dir = base / "storage" / "mine"
     proc = run(["-m", "distrib_tf.deploy.ray_train", "--num_workers=2", "--max_failures=0",
-                f"--storage_path={base / 'storage'}", "--name=mine", f"--script={script}", "--",
+                f"--storage_path={base / 'storage'}", "--name=mine", f"--script={MY_SCRIPT}", "--",
                 f"--model_dir={model_dir}", "--epochs=10"])
     deadline, tasks = time.monotonic() + 300, []
     while time.monotonic() < deadline and proc.poll() is None:
-        tasks = [_task_process(tag, i, script.encode()) for i in (0, 1)]
+        tasks = [_task_process(tag, i, MY_SCRIPT.encode()) for i in (0, 1)]
         if all(tasks) and max(_backups(tasks[1], model_dir / "backup" / "worker-1"), default=0) > 0:
             break
         time.sleep(0.2)
@@ -285,7 +298,7 @@ def _in_namespace(pid: int, namespace: str) -> bool:
         return False
 
 
-def test_an_elastic_run_loses_a_node_goes_on_with_one_and_ends_on_the_uninterrupted_weights(cluster):
+def test_an_elastic_run_loses_a_node_goes_on_with_one_and_ends_on_the_uninterrupted_weights(cluster, uninterrupted):
     """Issue 32: `--num_workers=1:2` (Ray Train's elastic group). The worker node dies mid-run
     (every process of it SIGKILLed); Ray restarts the group with the one worker it can have,
     which resumes from its node's backup of worker:0 (a task the new layout does not have)
@@ -294,18 +307,14 @@ def test_an_elastic_run_loses_a_node_goes_on_with_one_and_ends_on_the_uninterrup
     from cluster_runner import weights_difference  # pylint: disable=import-outside-toplevel
 
     run, base, tag = cluster
-    script = os.path.join(ROOT, "tests", "workers", "my_script.py")
     common = ["-m", "distrib_tf.deploy.ray_train", "--max_failures=1", f"--storage_path={base / 'storage'}",
-              f"--script={script}"]
-    reference_dir = base / "storage" / "elastic-reference"
-    reference = _finish(run([*common, "--num_workers=2", "--name=elastic-reference", "--",
-                             f"--model_dir={reference_dir}", "--epochs=10"]))
-    assert len(_fingerprints(reference)) == 2, reference[-5000:]
+              f"--script={MY_SCRIPT}"]
+    reference_dir = uninterrupted[1]
     model_dir = base / "storage" / "elastic"
     proc = run([*common, "--num_workers=1:2", "--name=elastic", "--", f"--model_dir={model_dir}", "--epochs=10"])
     deadline, worker = time.monotonic() + 300, None
     while time.monotonic() < deadline and proc.poll() is None:
-        worker = _task_process(tag, 1, script.encode())
+        worker = _task_process(tag, 1, MY_SCRIPT.encode())
         if worker and max(_backups(worker, model_dir / "backup" / "worker-1"), default=0) > 0:
             break
         time.sleep(0.2)
