@@ -26,6 +26,7 @@ from distrib_tf import exit_codes
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 RAY_USER = os.path.join(ROOT, "tests", "workers", "ray_user.py")
+MY_SCRIPT = os.path.join(ROOT, "tests", "workers", "my_script.py")  # A user's script on the run API.
 TAG_ENV = "DISTRIB_TF_TEST_RAY"  # Marks the processes of this test's cluster.
 
 
@@ -244,9 +245,6 @@ def test_a_users_keras_fit_trains_under_ray(cluster):
     result = json.loads((out / "result.json").read_text())
     assert [m["epoch"] for m in result["history"]] == [1, 2], result  # One report per epoch.
     assert result["checkpoint_files"] == ["model.keras"], result  # Rank 0's model, by Ray.
-
-
-MY_SCRIPT = os.path.join(ROOT, "tests", "workers", "my_script.py")
 
 
 @pytest.fixture(scope="module")
