@@ -110,6 +110,7 @@ def scaling_tables(scaling) -> list[str]:
                   "| link | model | alone, ms | side by side, ms | two: step, ms | own step, ms | wait, ms "
                   "| of which the collective, ms | of which the other worker, ms | collectives alone, ms "
                   "| machine's bound | fraction of it |", "| --- |" + " --- |" * 11]
+        synchronous = [(link, row) for link, row in split if "synchronous_bound" in row["cnn"]]
         for link, row in split:
             for model in ("cnn", "transformer"):
                 cell = row[model]
@@ -119,6 +120,22 @@ def scaling_tables(scaling) -> list[str]:
                              f"{fmt(_step_ms(cell['side_by_side_examples_per_second']), 1)} | {parts} | "
                              f"{fmt(_ms(cell['collectives_step_seconds']), 1)} | {fmt(cell['machine_bound'], 2)} | "
                              f"{fmt(cell['fraction_of_machine_bound'], 2)} |")
+        if synchronous:
+            lines += ["", "This machine's synchronous bound: beside the side-by-side step, what waiting for the "
+                      "slower of those two workers would add to a step (`straggler`, the mean of |a - b| / 2 over "
+                      "every pair of their steps), against what the two workers waited for each other:", "",
+                      "| link | model | side by side, ms | straggler, ms | the other worker in the two's wait, ms "
+                      "| collectives alone, ms | synchronous bound | efficiency | fraction of it |",
+                      "| --- |" + " --- |" * 8]
+            for link, row in synchronous:
+                for model in ("cnn", "transformer"):
+                    cell = row[model]
+                    lines.append(f"| {link} | {model} | {fmt(_step_ms(cell['side_by_side_examples_per_second']), 1)} | "
+                                 f"{fmt(_ms(cell['side_by_side_straggler_seconds']), 1)} | "
+                                 f"{fmt(_ms(cell['two_workers_peer_seconds']), 1)} | "
+                                 f"{fmt(_ms(cell['collectives_step_seconds']), 1)} | "
+                                 f"{fmt(cell['synchronous_bound'], 2)} | {fmt(cell['efficiency'], 2)} | "
+                                 f"{fmt(cell['fraction_of_synchronous_bound'], 2)} |")
     apart = [(link, row) for link, row in bounded if "efficiency_logs_apart" in row["cnn"]]
     if apart:
         lines += ["", "One collective a step (the logs in the gradients' pack) against two (the logs apart, as "

@@ -24,11 +24,14 @@ link and core), and ours is reported as a fraction of it. Beside it, the link's 
 t / (t + gradient bytes / shaped rate) (a 2-rank ring sends each byte once each way), what a
 collective with no latency and no CPU cost would allow. And this machine's bound:
 t / (s + c), with `s` the step of a worker side by side with another (what a core computes
-while the other computes too), the efficiency two
-workers could reach if their only cost beyond that were the collectives alone. The two
-workers write every step's wall time and its wait on the all-reduce (`step_times.py`), which
-splits their step into their own compute and the wait, and the wait into the collective
-(what the worker that came last waits) and the time a worker waits for the other. Then the all-reduce
+while the other computes too), the efficiency two workers could reach if their only cost
+beyond that were the collectives alone; and its synchronous form t / (s + p + c), with `p`
+what waiting for the slower of the two side-by-side workers would add to a step
+(`straggler`): no synchronous step ends before the later of two computes. Every training run
+is the same program, `step_times.py`, writing every step's wall time and its wait on the
+all-reduce; for the two workers this splits their step into their own compute and the wait,
+and the wait into the collective (what the worker that came last waits) and the time a worker
+waits for the other. Then the all-reduce
 bus bandwidth between the two hosts (`allreduce.py`) as a fraction of the shaped rate,
 beside the rate `iperf3 --bidir` measures each way over the same link. Writes
 `scaling.json` and `scaling.png`.
@@ -111,22 +114,22 @@ def _tf_config(index: int, port: int = 2222) -> str:
 
 def train_rate(scratch, model, workers, *, epochs, steps, tag, logs_apart=False) -> tuple[float, int, dict | None]:
     """The training steps' examples/s (of each worker for "side"), how many values a step logs,
-    and for two workers where their step goes (`split_step`). `workers`: 1, 2, or "side" (two
-    single workers at once, one per host, no communication). `logs_apart`: the step as it was
-    before `distrib_tf.keras.step_logs`, its logs in a collective of their own."""
+    and what the steps' times say: for two workers where their step goes (`split_step`), for
+    two side by side what the slower of them would add to a synchronous step (`straggler`).
+    `workers`: 1, 2, or "side" (two single workers at once, one per host, no communication).
+    `logs_apart`: the step as it was before `distrib_tf.keras.step_logs`, its logs in a
+    collective of their own. Every case runs the same program, `step_times.py`."""
     model_dir = f"{scratch}/{tag}"
     flags = [f"--model={model}", f"--epochs={epochs}", f"--steps_per_epoch={steps}"]
-    timed = workers == 2 and not logs_apart
-    command = ([PY, os.path.join(HERE, "overhead.py"), "--worker", "logs_in_gradients", *flags] if logs_apart
-               else [PY, os.path.join(HERE, "step_times.py"), *flags] if timed
-               else [PY, "-m", "distrib_tf.train", *flags])
+    command = [PY, os.path.join(HERE, "step_times.py"), *(["--off=logs_in_gradients"] if logs_apart else []), *flags]
     alone = [*command, "--strategy=one_device", "--global_batch_size=32"]
     if workers == 1:
-        _wait([on_host(0, [*alone, f"--model_dir={model_dir}"])])
+        _wait([on_host(0, [*alone, f"--model_dir={model_dir}"], {"STEP_TIMES_OUT": f"{model_dir}_steps_0.json"})])
     elif workers == "side":
-        _wait([on_host(i, [*alone, f"--model_dir={model_dir}_{i}"]) for i in range(2)])
+        _wait([on_host(i, [*alone, f"--model_dir={model_dir}_{i}"], {"STEP_TIMES_OUT": f"{model_dir}_steps_{i}.json"})
+               for i in range(2)])
         rates = [_summary(f"{model_dir}_{i}")["examples_per_second"] for i in range(2)]
-        return statistics.mean(rates), 0, None
+        return statistics.mean(rates), 0, {"straggler": straggler(model_dir)}
     else:
         _wait([on_host(i, [*command, f"--model_dir={model_dir}", "--global_batch_size=64"],
                        {"TF_CONFIG": _tf_config(i), "STEP_TIMES_OUT": f"{model_dir}_steps_{i}.json"})
@@ -134,7 +137,16 @@ def train_rate(scratch, model, workers, *, epochs, steps, tag, logs_apart=False)
     summary = _summary(model_dir)
     epoch_keys = {"epoch", "epoch_seconds", "examples_per_second"}  # Written once an epoch, not by the step.
     logged = [k for k in summary["epochs"][0] if k not in epoch_keys and not k.startswith(("val_", "step_seconds_"))]
-    return summary["examples_per_second"], len(logged), split_step(model_dir) if timed else None
+    return summary["examples_per_second"], len(logged), split_step(model_dir) if workers == 2 else None
+
+
+def _steps(model_dir) -> list[list[tuple[float, float]]]:
+    """Each of the two workers' (wall, waited) seconds a step, after the first epoch (`step_times.py`)."""
+    rows = []
+    for i in range(2):
+        with open(f"{model_dir}_steps_{i}.json") as f:
+            rows.append([(wall, waited) for epoch, wall, waited in json.load(f) if epoch >= 1])
+    return rows
 
 
 def split_step(model_dir) -> dict:
@@ -143,17 +155,22 @@ def split_step(model_dir) -> dict:
     wait on the all-reduce; `wait`, that wait; `collective`, the wait of the worker that came
     last to the all-reduce, which waits for nothing but the collective; `peer`, what a worker
     waits beyond that for the other (mean of the two: half the gap between their arrivals)."""
-    rows = []
-    for i in range(2):
-        with open(f"{model_dir}_steps_{i}.json") as f:
-            rows.append([(wall, waited) for epoch, wall, waited in json.load(f) if epoch >= 1])
-    steps = list(zip(*rows))
+    steps = list(zip(*_steps(model_dir)))
     return {"wall": statistics.median(statistics.mean(w for w, _ in step) for step in steps),
             "own": statistics.median(statistics.mean(w - x for w, x in step) for step in steps),
             "wait": statistics.median(statistics.mean(x for _, x in step) for step in steps),
             "collective": statistics.median(min(x for _, x in step) for step in steps),
             "peer": statistics.median(statistics.mean(x for _, x in step) - min(x for _, x in step)
                                       for step in steps)}
+
+
+def straggler(model_dir) -> float:
+    """What waiting for the slower of two workers adds to a synchronous step, in seconds, from
+    two single workers side by side: a step ends when the later of the two computes has, on
+    average (a + b) / 2 + |a - b| / 2; this is the mean of |a - b| / 2 over every pair of
+    their steps (a step of one against any step of the other: their steps are not in lockstep)."""
+    a, b = ([wall for wall, _ in rows] for rows in _steps(model_dir))
+    return statistics.mean(abs(x - y) for x in a for y in b) / 2
 
 
 def _summary(model_dir) -> dict:
@@ -239,7 +256,8 @@ def main(argv=None):
                              client_prefix=["ip", "netns", "exec", HOSTS[1][0]]) for _ in range(reps)),
                 "shaped_bytes_per_second": bits / 8}
             for model in ("cnn", "transformer"):
-                one, side, two, splits, apart, collectives, logged, gradient_bytes = [], [], [], [], [], [], 0, 0
+                one, side, two, splits, stragglers, apart, collectives = [], [], [], [], [], [], []
+                logged, gradient_bytes = 0, 0
                 cases = (1, "side", 2, "c", *(["apart"] if args.logs_apart else []))
                 for rep in range(reps):
                     for workers in (cases if rep % 2 == 0 else cases[::-1]):
@@ -249,18 +267,21 @@ def main(argv=None):
                                                                           40 if args.tiny else 300, tag)
                             collectives.append(seconds)
                             continue
-                        rate_, logged_, split = train_rate(scratch, model, 2 if workers == "apart" else workers,
+                        rate_, logged_, times = train_rate(scratch, model, 2 if workers == "apart" else workers,
                                                           epochs=epochs, steps=steps, tag=tag,
                                                           logs_apart=workers == "apart")
                         logged = logged_ or logged
                         {1: one, "side": side, 2: two, "apart": apart}[workers].append(rate_)
-                        if split:
-                            splits.append(split)
+                        if workers == 2:
+                            splits.append(times)
+                        elif workers == "side":
+                            stragglers.append(times["straggler"])
                 efficiency = [b / (2 * a) for a, b in zip(one, two)]
                 step = [32 / a for a in one]  # The one worker's step: its batch is 32.
                 side_step = [32 / a for a in side]  # The same, while the other core runs another.
                 bound = [t / (t + c) for t, c in zip(step, collectives)]
                 machine_bound = [t / (s + c) for t, s, c in zip(step, side_step, collectives)]
+                synchronous_bound = [t / (s + p + c) for t, s, p, c in zip(step, side_step, stragglers, collectives)]
                 row[model] = {"one_worker_examples_per_second": spread(one),
                               "side_by_side_examples_per_second": spread(side),
                               "two_workers_examples_per_second": spread(two),
@@ -273,6 +294,10 @@ def main(argv=None):
                               "fraction_of_bound": spread(e / b for e, b in zip(efficiency, bound)),
                               "machine_bound": spread(machine_bound),
                               "fraction_of_machine_bound": spread(e / b for e, b in zip(efficiency, machine_bound)),
+                              "side_by_side_straggler_seconds": spread(stragglers),
+                              "synchronous_bound": spread(synchronous_bound),
+                              "fraction_of_synchronous_bound": spread(e / b for e, b in zip(efficiency,
+                                                                                            synchronous_bound)),
                               "link_bound": spread(t / (t + gradient_bytes / (bits / 8)) for t in step)}
                 if apart:
                     row[model]["two_workers_logs_apart_examples_per_second"] = spread(apart)
@@ -285,7 +310,8 @@ def main(argv=None):
             results["links"][link] = row
             print(f"{link}: " + ", ".join(
                 f"{m} efficiency {row[m]['efficiency']['median']:.2f}, bound {row[m]['bound']['median']:.2f}, "
-                f"fraction of it {row[m]['fraction_of_bound']['median']:.2f}" for m in ("cnn", "transformer")),
+                f"fraction of it {row[m]['fraction_of_bound']['median']:.2f}, of the synchronous bound "
+                f"{row[m]['fraction_of_synchronous_bound']['median']:.2f}" for m in ("cnn", "transformer")),
                 flush=True)
     results["seconds"] = time.time() - started
     os.makedirs(args.out, exist_ok=True)

@@ -1,17 +1,20 @@
-"""One worker of `make bench-scaling`'s two: the main job, writing every step's times.
+"""Every training run of `make bench-scaling`: the main job, writing every step's times.
 
-    STEP_TIMES_OUT=FILE.json step_times.py [distrib_tf.train flags]     # TF_CONFIG set
+    STEP_TIMES_OUT=FILE.json step_times.py [--off=NAMES] [distrib_tf.train flags]
 
-The main job as `python -m distrib_tf.train` runs it, with one addition on the host after each
-training step: a read of the seconds the step waited on the gradient all-reduce, which
-`distrib_tf.keras.progress` already sums inside the step (`local_sgd.time_all_reduce`). Writes
-`[[epoch, wall seconds, waited seconds], ...]`, one row a step. With both workers' rows,
-`scaling.py` splits a step's wait: the worker that reaches the all-reduce last waits only for
-the collective itself; what the other waits beyond that is the time it waited for its peer.
+The main job as `python -m distrib_tf.train` runs it (`--off`: with `overhead.py`'s additions
+NAMES switched off), with one addition on the host after each training step, the same in every
+case `scaling.py` compares (one worker, two side by side, two together): a read of the seconds
+the step waited on the gradient all-reduce, which `distrib_tf.keras.progress` already sums
+inside the step (`local_sgd.time_all_reduce`; 0 for one worker). Writes `[[epoch, wall seconds,
+waited seconds], ...]`, one row a step. With both workers' rows, `scaling.py` splits a step's
+wait: the worker that reaches the all-reduce last waits only for the collective itself; what
+the other waits beyond that is the time it waited for its peer.
 """
 
 import json
 import os
+import sys
 import time
 
 from distrib_tf.keras import progress
@@ -51,4 +54,7 @@ progress.Progress._exchange_times = _emptied(progress.Progress._exchange_times) 
 progress.Progress.on_train_end = _write(progress.Progress.on_train_end)
 
 if __name__ == "__main__":
+    if sys.argv[1:2] and sys.argv[1].startswith("--off="):
+        from overhead import switch_off  # pylint: disable=import-outside-toplevel
+        switch_off(sys.argv.pop(1).removeprefix("--off=").split(","))
     run()

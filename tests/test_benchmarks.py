@@ -39,7 +39,9 @@ def _scaling(results):
             and 0 < cnn["bound"]["median"] < 1 and link["transformer"]["fraction_of_bound"]["median"] > 0
             and cnn["side_by_side_examples_per_second"]["median"] > 0 and cnn["machine_bound"]["median"] > 0
             # Per step the last to arrive waits least, and a step is its own part and its wait.
-            and 0 < split[0] <= split[1] < split[3] and 0 < split[2] < split[3])
+            and 0 < split[0] <= split[1] < split[3] and 0 < split[2] < split[3]
+            # Waiting for the slower of two can only lower the bound.
+            and 0 < cnn["synchronous_bound"]["median"] <= cnn["machine_bound"]["median"])
 
 
 def _sync(results):
