@@ -86,6 +86,11 @@ class EpochTimer(keras.callbacks.Callback):
             logs["epoch_seconds"] = seconds
             logs["examples_per_second"] = self.examples_per_epoch / seconds
 
+    def steady_rate(self) -> float | None:
+        """Examples per second, leaving out the first epoch (tracing) when there are others."""
+        steady = self.seconds[1:] or self.seconds
+        return self.examples_per_epoch * len(steady) / sum(steady) if steady else None
+
 
 class ProfileSteps(keras.callbacks.Callback):
     """A TensorBoard profile of the run's steps `first` to `last` (1-based) on this worker.

@@ -2,7 +2,7 @@
 
 - `run`: `Run`, the strategy, the resume loop (agreed step, partial epoch, rollback), the
   guarantees' callbacks in their order, chief outputs, the clean end;
-- `options`: `RunOptions`, checked at construction;
+- `options`: `RunOptions`, checked at construction; `checks`: `fit`'s arguments, checked first;
 - `ending`: the exit codes a scheduler reads (2, 65, 75) and leaving together;
 - `export`: `model.keras` and a SavedModel, loadable without distrib_tf;
 - `schedules`: a rollback's halved learning rate under a `LearningRateSchedule`.

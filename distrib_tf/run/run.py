@@ -45,7 +45,6 @@ from distrib_tf import events
 from distrib_tf import lifeline
 from distrib_tf.data import examples as examples_lib
 from distrib_tf.data import pipeline
-from distrib_tf.data import registry
 from distrib_tf.keras import backup
 from distrib_tf.keras import callbacks as callbacks_lib
 from distrib_tf.keras import local_sgd
@@ -54,12 +53,12 @@ from distrib_tf.keras import phases
 from distrib_tf.keras import preemption
 from distrib_tf.keras import progress
 from distrib_tf.keras import step_logs
+from distrib_tf.run import checks
 from distrib_tf.run import ending
 from distrib_tf.run import export
 from distrib_tf.run import schedules
 from distrib_tf.run.ending import InvalidRun
 from distrib_tf.run.options import RunOptions
-from distrib_tf.run.options import check_positive
 from distrib_tf.run.options import invalid
 from distrib_tf.strategy import make_strategy
 from distrib_tf.strategy import strategy_name
@@ -200,28 +199,9 @@ class Run:
                              "with another model_dir, for another training.")
         if self.is_evaluator:
             raise InvalidRun(f"Run.fit on {self.task}. Expected a training task: an evaluator trains nothing.")
-        self._check_model(model)
-        check_positive("epochs", epochs, optional=False)
-        check_positive("steps_per_epoch", steps_per_epoch)
-        check_positive("validation_steps", validation_steps)
-        for name, value in (("train", train), ("validation_data", validation_data)):
-            if value is not None and not isinstance(value, (examples_lib.Examples, examples_lib.DatasetFn)):
-                invalid(name, type(value).__name__, "distrib_tf.data examples (from_arrays, from_source, "
-                         "from_images, load) or from_dataset_fn(...)")
-        try:
-            replicas = self.strategy.num_replicas_in_sync
-            registry.check_global_batch_size(global_batch_size, replicas)
-            steps = steps_per_epoch or train.steps_per_epoch(global_batch_size)
-            if isinstance(train, examples_lib.Examples) and steps * global_batch_size > train.num_examples:
-                invalid("steps_per_epoch", steps, f"at most {train.num_examples // global_batch_size} steps "
-                         f"of {global_batch_size} in the {train.num_examples} examples of {train.name}")
-            val_steps = None
-            if validation_data is not None:
-                val_steps = validation_steps or validation_data.steps_per_epoch(global_batch_size)
-        except InvalidRun:
-            raise
-        except ValueError as e:
-            raise InvalidRun(str(e)) from e
+        steps, val_steps = checks.check_fit(
+            model, self.strategy, train, epochs=epochs, global_batch_size=global_batch_size,
+            steps_per_epoch=steps_per_epoch, validation_data=validation_data, validation_steps=validation_steps)
         self._fitted = True
         self.global_batch_size, self.steps_per_epoch, self.epochs = global_batch_size, steps, epochs
         options = self.options
@@ -310,7 +290,7 @@ class Run:
             "rollbacks": rollbacks,
             "epochs": [{"epoch": e + 1, **{k: float(v[i]) for k, v in history.items()}}
                        for i, e in enumerate(epochs_done)],
-            "examples_per_second": _steady_rate(timer.seconds, timer.examples_per_epoch),
+            "examples_per_second": timer.steady_rate(),
             "first_step_unix_time": timer.first_step_at,
             "epoch_end_unix_times": timer.ended_at, "epoch_step_seconds": timer.seconds,
             "weights_sha256": export.weights_fingerprint(model),
@@ -322,16 +302,6 @@ class Run:
         result.history, result.epoch = history, epochs_done
         result.params = {"epochs": epochs, "steps": steps, "verbose": verbose}
         return result
-
-    def _check_model(self, model):
-        if not isinstance(model, keras.Model):
-            invalid("model", type(model).__name__, "a keras.Model")
-        if not model.compiled:
-            raise InvalidRun("Invalid value for argument `model`: it is not compiled. Expected "
-                             "`model.compile(optimizer=..., loss=...)` under `run.strategy.scope()` first.")
-        if model.distribute_strategy is not self.strategy:
-            raise InvalidRun("Invalid value for argument `model`: it was built outside `run.strategy.scope()`. "
-                             "Expected it built and compiled under `with run.strategy.scope():`.")
 
     def _identity(self, model, train, global_batch_size: int, steps: int) -> str:
         """What a backup must match to be resumed: whatever changes the arithmetic."""
@@ -422,10 +392,4 @@ class Run:
             program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else "python"
             ending.exit_for(error, self.task, program=program, strategy=self.strategy, is_chief=self.is_chief)
         return False
-
-
-def _steady_rate(seconds: list[float], examples: int) -> float | None:
-    """Examples per second, leaving out the first epoch (tracing) when there are others."""
-    steady = seconds[1:] or seconds
-    return examples * len(steady) / sum(steady) if steady else None
 

@@ -1,0 +1,48 @@
+"""`Run.fit`'s arguments, checked before anything runs: one `InvalidRun` line each."""
+
+import keras
+
+from distrib_tf.data import examples as examples_lib
+from distrib_tf.data import registry
+from distrib_tf.run.ending import InvalidRun
+from distrib_tf.run.options import check_positive
+from distrib_tf.run.options import invalid
+
+
+def check_model(model, strategy) -> None:
+    """A compiled `keras.Model` built under `strategy.scope()`."""
+    if not isinstance(model, keras.Model):
+        invalid("model", type(model).__name__, "a keras.Model")
+    if not model.compiled:
+        raise InvalidRun("Invalid value for argument `model`: it is not compiled. Expected "
+                         "`model.compile(optimizer=..., loss=...)` under `run.strategy.scope()` first.")
+    if model.distribute_strategy is not strategy:
+        raise InvalidRun("Invalid value for argument `model`: it was built outside `run.strategy.scope()`. "
+                         "Expected it built and compiled under `with run.strategy.scope():`.")
+
+
+def check_fit(model, strategy, train, *, epochs, global_batch_size, steps_per_epoch, validation_data,
+              validation_steps) -> tuple[int, int | None]:
+    """`Run.fit`'s arguments; returns the steps of an epoch and of a validation."""
+    check_model(model, strategy)
+    check_positive("epochs", epochs, optional=False)
+    check_positive("steps_per_epoch", steps_per_epoch)
+    check_positive("validation_steps", validation_steps)
+    for name, value in (("train", train), ("validation_data", validation_data)):
+        if value is not None and not isinstance(value, (examples_lib.Examples, examples_lib.DatasetFn)):
+            invalid(name, type(value).__name__, "distrib_tf.data examples (from_arrays, from_source, "
+                     "from_images, load) or from_dataset_fn(...)")
+    try:
+        registry.check_global_batch_size(global_batch_size, strategy.num_replicas_in_sync)
+        steps = steps_per_epoch or train.steps_per_epoch(global_batch_size)
+        if isinstance(train, examples_lib.Examples) and steps * global_batch_size > train.num_examples:
+            invalid("steps_per_epoch", steps, f"at most {train.num_examples // global_batch_size} steps "
+                     f"of {global_batch_size} in the {train.num_examples} examples of {train.name}")
+        val_steps = None
+        if validation_data is not None:
+            val_steps = validation_steps or validation_data.steps_per_epoch(global_batch_size)
+    except InvalidRun:
+        raise
+    except ValueError as e:
+        raise InvalidRun(str(e)) from e
+    return steps, val_steps
