@@ -121,12 +121,16 @@ def scaling_tables(scaling) -> list[str]:
                              f"{fmt(_ms(cell['collectives_step_seconds']), 1)} | {fmt(cell['machine_bound'], 2)} | "
                              f"{fmt(cell['fraction_of_machine_bound'], 2)} |")
         if synchronous:
+            paced = all("paced_bound" in row["cnn"] for _, row in synchronous)
             lines += ["", "This machine's synchronous bound: beside the side-by-side step, what waiting for the "
                       "slower of those two workers would add to a step (`straggler`, the mean of |a - b| / 2 over "
-                      "every pair of their steps), against what the two workers waited for each other:", "",
+                      "every pair of their steps), against what the two workers waited for each other"
+                      + ("; and the same bound with the collectives paced, each after a computation as long "
+                         "as a step:" if paced else ":"), "",
                       "| link | model | side by side, ms | straggler, ms | the other worker in the two's wait, ms "
-                      "| collectives alone, ms | synchronous bound | efficiency | fraction of it |",
-                      "| --- |" + " --- |" * 8]
+                      "| collectives alone, ms | synchronous bound | efficiency | fraction of it |"
+                      + (" collectives paced, ms | paced bound | fraction of it |" if paced else ""),
+                      "| --- |" + " --- |" * (11 if paced else 8)]
             for link, row in synchronous:
                 for model in ("cnn", "transformer"):
                     cell = row[model]
@@ -135,7 +139,10 @@ def scaling_tables(scaling) -> list[str]:
                                  f"{fmt(_ms(cell['two_workers_peer_seconds']), 1)} | "
                                  f"{fmt(_ms(cell['collectives_step_seconds']), 1)} | "
                                  f"{fmt(cell['synchronous_bound'], 2)} | {fmt(cell['efficiency'], 2)} | "
-                                 f"{fmt(cell['fraction_of_synchronous_bound'], 2)} |")
+                                 f"{fmt(cell['fraction_of_synchronous_bound'], 2)} |"
+                                 + (f" {fmt(_ms(cell['paced_collectives_step_seconds']), 1)} | "
+                                    f"{fmt(cell['paced_bound'], 2)} | {fmt(cell['fraction_of_paced_bound'], 2)} |"
+                                    if paced else ""))
     apart = [(link, row) for link, row in bounded if "efficiency_logs_apart" in row["cnn"]]
     if apart:
         lines += ["", "One collective a step (the logs in the gradients' pack) against two (the logs apart, as "

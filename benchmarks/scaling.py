@@ -27,7 +27,11 @@ t / (s + c), with `s` the step of a worker side by side with another (what a cor
 while the other computes too), the efficiency two workers could reach if their only cost
 beyond that were the collectives alone; and its synchronous form t / (s + p + c), with `p`
 what waiting for the slower of the two side-by-side workers would add to a step
-(`straggler`): no synchronous step ends before the later of two computes. Every training run
+(`straggler`): no synchronous step ends before the later of two computes. And the same with
+the collectives paced (`paced_bound`): t / (s + p + c'), with c' the step's collectives alone
+as above, but each after a computation as long as the one worker's step, as a step's
+all-reduce comes after its compute (TensorFlow's collective is slower so than back to back).
+Every training run
 is the same program, `step_times.py`, writing every step's wall time and its wait on the
 all-reduce; for the two workers this splits their step into their own compute and the wait,
 and the wait into the collective (what the worker that came last waits) and the time a worker
@@ -178,10 +182,12 @@ def _summary(model_dir) -> dict:
         return json.load(f)
 
 
-def collectives_seconds(scratch, model, logged, steps, tag) -> tuple[float, int]:
-    """The median seconds of a step's collectives alone, and the gradient bytes (step_collectives.py)."""
+def collectives_seconds(scratch, model, logged, steps, tag, pause=0.0) -> tuple[float, int]:
+    """The median seconds of a step's collectives alone, and the gradient bytes (step_collectives.py);
+    with `pause`, each after that many seconds of computation, as in a step."""
     out = f"{scratch}/{tag}.json"
-    command = [PY, os.path.join(HERE, "step_collectives.py"), model, str(logged), str(steps), out]
+    command = [PY, os.path.join(HERE, "step_collectives.py"), model, str(logged), str(steps), out,
+               *([str(pause)] if pause else [])]
     _wait([on_host(i, command, {"TF_CONFIG": _tf_config(i, 2400)}) for i in range(2)])
     with open(out) as f:
         measured = json.load(f)
@@ -256,9 +262,9 @@ def main(argv=None):
                              client_prefix=["ip", "netns", "exec", HOSTS[1][0]]) for _ in range(reps)),
                 "shaped_bytes_per_second": bits / 8}
             for model in ("cnn", "transformer"):
-                one, side, two, splits, stragglers, apart, collectives = [], [], [], [], [], [], []
+                one, side, two, splits, stragglers, apart, collectives, paced = [], [], [], [], [], [], [], []
                 logged, gradient_bytes = 0, 0
-                cases = (1, "side", 2, "c", *(["apart"] if args.logs_apart else []))
+                cases = (1, "side", 2, "c", "paced", *(["apart"] if args.logs_apart else []))
                 for rep in range(reps):
                     for workers in (cases if rep % 2 == 0 else cases[::-1]):
                         tag = f"{rate}_{model}_{workers}_{rep}"
@@ -266,6 +272,11 @@ def main(argv=None):
                             seconds, gradient_bytes = collectives_seconds(scratch, model, logged or 3,
                                                                           40 if args.tiny else 300, tag)
                             collectives.append(seconds)
+                            continue
+                        if workers == "paced":  # The same, each after a computation as long as a step.
+                            seconds, _ = collectives_seconds(scratch, model, logged or 3, 40 if args.tiny else 300,
+                                                             tag, pause=32 / one[-1])
+                            paced.append(seconds)
                             continue
                         rate_, logged_, times = train_rate(scratch, model, 2 if workers == "apart" else workers,
                                                           epochs=epochs, steps=steps, tag=tag,
@@ -282,6 +293,7 @@ def main(argv=None):
                 bound = [t / (t + c) for t, c in zip(step, collectives)]
                 machine_bound = [t / (s + c) for t, s, c in zip(step, side_step, collectives)]
                 synchronous_bound = [t / (s + p + c) for t, s, p, c in zip(step, side_step, stragglers, collectives)]
+                paced_bound = [t / (s + p + c) for t, s, p, c in zip(step, side_step, stragglers, paced)]
                 row[model] = {"one_worker_examples_per_second": spread(one),
                               "side_by_side_examples_per_second": spread(side),
                               "two_workers_examples_per_second": spread(two),
@@ -298,6 +310,9 @@ def main(argv=None):
                               "synchronous_bound": spread(synchronous_bound),
                               "fraction_of_synchronous_bound": spread(e / b for e, b in zip(efficiency,
                                                                                             synchronous_bound)),
+                              "paced_collectives_step_seconds": spread(paced),
+                              "paced_bound": spread(paced_bound),
+                              "fraction_of_paced_bound": spread(e / b for e, b in zip(efficiency, paced_bound)),
                               "link_bound": spread(t / (t + gradient_bytes / (bits / 8)) for t in step)}
                 if apart:
                     row[model]["two_workers_logs_apart_examples_per_second"] = spread(apart)
@@ -311,7 +326,8 @@ def main(argv=None):
             print(f"{link}: " + ", ".join(
                 f"{m} efficiency {row[m]['efficiency']['median']:.2f}, bound {row[m]['bound']['median']:.2f}, "
                 f"fraction of it {row[m]['fraction_of_bound']['median']:.2f}, of the synchronous bound "
-                f"{row[m]['fraction_of_synchronous_bound']['median']:.2f}" for m in ("cnn", "transformer")),
+                f"{row[m]['fraction_of_synchronous_bound']['median']:.2f}, of the paced one "
+                f"{row[m]['fraction_of_paced_bound']['median']:.2f}" for m in ("cnn", "transformer")),
                 flush=True)
     results["seconds"] = time.time() - started
     os.makedirs(args.out, exist_ok=True)

@@ -1,6 +1,6 @@
 """One worker of `make bench-scaling`'s bound: the main job's step collectives alone, no compute.
 
-    step_collectives.py MODEL LOGGED STEPS OUT.json     # TF_CONFIG set, as for the job
+    step_collectives.py MODEL LOGGED STEPS OUT.json [PAUSE]     # TF_CONFIG set, as for the job
 
 Builds the main job's compiled model (`distrib_tf.train.job.build_compiled_model`: the same
 variables, optimizer and patched gradient all-reduce) under the same strategy, then times
@@ -9,7 +9,10 @@ communication and nothing else: the gradients' all-reduce, through the optimizer
 (one pack, last layers first), on zeros shaped like the trainable variables, with LOGGED
 scalars in the same pack (`distrib_tf.keras.step_logs`).
 
-Each call ends by reading one value on the host, as a step's callbacks do. The chief writes
+Each call ends by reading one value on the host, as a step's callbacks do. With PAUSE (seconds),
+each call comes after that long a computation on the host (numpy, outside TensorFlow), as a
+step's all-reduce comes after its forward and backward pass; without, the calls run back to
+back. Only the calls are timed. The chief writes
 `{"gradient_bytes", "step_seconds": [...]}` (every call's seconds after 20 warm-up calls).
 """
 
@@ -26,6 +29,13 @@ from distrib_tf.train.job import build_compiled_model
 from distrib_tf.train.job import prepare_job
 
 WARM_UP = 20
+
+
+def compute(seconds: float) -> None:
+    """Keeps this core busy for `seconds`, none of it in TensorFlow."""
+    end, a = time.perf_counter() + seconds, np.ones((64, 64), np.float32)
+    while time.perf_counter() < end:
+        a = (a @ a) * 1e-3
 
 
 def make_step(strategy, model, logged: int):
@@ -47,6 +57,7 @@ def make_step(strategy, model, logged: int):
 
 def main():
     model_name, logged, steps, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    pause = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
     config = TrainConfig(model=model_name, epochs=1, global_batch_size=64)
     with tempfile.TemporaryDirectory() as model_dir:
         job = prepare_job(config, model_dir)
@@ -55,6 +66,8 @@ def main():
         step = make_step(strategy, model, logged)
         seconds = []
         for call in range(WARM_UP + steps):
+            if pause:
+                compute(pause)
             start = time.perf_counter()
             float(step()[0])
             if call >= WARM_UP:

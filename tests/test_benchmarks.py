@@ -41,7 +41,8 @@ def _scaling(results):
             # Per step the last to arrive waits least, and a step is its own part and its wait.
             and 0 < split[0] <= split[1] < split[3] and 0 < split[2] < split[3]
             # Waiting for the slower of two can only lower the bound.
-            and 0 < cnn["synchronous_bound"]["median"] <= cnn["machine_bound"]["median"])
+            and 0 < cnn["synchronous_bound"]["median"] <= cnn["machine_bound"]["median"]
+            and cnn["paced_collectives_step_seconds"]["median"] > 0 and cnn["paced_bound"]["median"] > 0)
 
 
 def _sync(results):
