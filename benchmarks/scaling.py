@@ -31,14 +31,12 @@ what waiting for the slower of the two side-by-side workers would add to a step
 the collectives paced (`paced_bound`): t / (s + p + c'), with c' the step's collectives alone
 as above, but each after a computation as long as the one worker's step, as a step's
 all-reduce comes after its compute (TensorFlow's collective is slower so than back to back).
-Every training run
-is the same program, `step_times.py`, writing every step's wall time and its wait on the
-all-reduce; for the two workers this splits their step into their own compute and the wait,
-and the wait into the collective (what the worker that came last waits) and the time a worker
-waits for the other. Then the all-reduce
-bus bandwidth between the two hosts (`allreduce.py`) as a fraction of the shaped rate,
-beside the rate `iperf3 --bidir` measures each way over the same link. Writes
-`scaling.json` and `scaling.png`.
+Every training run is the same program, `step_times.py`, writing every step's wall time and
+its wait on the all-reduce; for the two workers this splits their step into their own compute
+and the wait, and the wait into the collective (what the worker that came last waits) and the
+time a worker waits for the other. Then the all-reduce bus bandwidth between the two hosts
+(`allreduce.py`) as a fraction of the shaped rate, beside the rate `iperf3 --bidir` measures
+each way over the same link. Writes `scaling.json` and `scaling.png`.
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""One worker of `make bench-scaling`'s bound: the main job's step collectives alone, no compute.
+"""One worker of `make bench-scaling`'s bound: the main job's step collectives alone, nothing else in TensorFlow.
 
     step_collectives.py MODEL LOGGED STEPS OUT.json [PAUSE]     # TF_CONFIG set, as for the job
 
