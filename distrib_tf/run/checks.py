@@ -9,7 +9,7 @@ from distrib_tf.run.options import check_positive
 from distrib_tf.run.options import invalid
 
 
-def check_model(model, strategy) -> None:
+def _check_model(model, strategy) -> None:
     """A compiled `keras.Model` built under `strategy.scope()`."""
     if not isinstance(model, keras.Model):
         invalid("model", type(model).__name__, "a keras.Model")
@@ -24,7 +24,7 @@ def check_model(model, strategy) -> None:
 def check_fit(model, strategy, train, *, epochs, global_batch_size, steps_per_epoch, validation_data,
               validation_steps) -> tuple[int, int | None]:
     """`Run.fit`'s arguments; returns the steps of an epoch and of a validation."""
-    check_model(model, strategy)
+    _check_model(model, strategy)
     check_positive("epochs", epochs, optional=False)
     check_positive("steps_per_epoch", steps_per_epoch)
     check_positive("validation_steps", validation_steps)
