@@ -11,9 +11,11 @@
 """
 
 from distrib_tf.data.cli import main
+from distrib_tf.data.examples import Batches
 from distrib_tf.data.examples import DatasetFn
 from distrib_tf.data.examples import Examples
 from distrib_tf.data.examples import from_arrays
+from distrib_tf.data.examples import from_dataset
 from distrib_tf.data.examples import from_dataset_fn
 from distrib_tf.data.examples import from_images
 from distrib_tf.data.examples import from_source
@@ -36,6 +38,7 @@ __all__ = [
     "DATASETS",
     "TEXT_SEQ_LEN",
     "TEXT_VOCAB_SIZE",
+    "Batches",
     "DataError",
     "DatasetFn",
     "DatasetInfo",
@@ -44,6 +47,7 @@ __all__ = [
     "check_global_batch_size",
     "check_random_access",
     "from_arrays",
+    "from_dataset",
     "from_dataset_fn",
     "from_images",
     "from_source",

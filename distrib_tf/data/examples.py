@@ -79,6 +79,37 @@ class DatasetFn:
         return self.steps_per_epoch_
 
 
+@dataclasses.dataclass(frozen=True)
+class Batches:
+    """A `tf.data.Dataset` of the user's, batched as Keras's `fit` takes one: each element a
+    global batch, an epoch one pass over it. Its resume skips batches of
+    `dataset.repeat()`: exact when the dataset is deterministic (a seeded shuffle is)."""
+
+    dataset: tf.data.Dataset
+    steps_per_epoch_: int
+    name: str = "a tf.data.Dataset"
+
+    def steps_per_epoch(self, global_batch_size: int) -> int:  # pylint: disable=unused-argument
+        return self.steps_per_epoch_
+
+
+def from_dataset(dataset: tf.data.Dataset, *, steps_per_epoch: int | None = None) -> Batches:
+    """A batched `tf.data.Dataset`, as Keras's `fit(dataset)` takes it.
+
+    Raises:
+        ValueError: its number of batches is unknown or infinite and `steps_per_epoch`
+            is not given.
+    """
+    if steps_per_epoch is None:
+        cardinality = int(dataset.cardinality())
+        if cardinality < 1:
+            raise ValueError("Invalid value for argument `x`. Received: a tf.data.Dataset of "
+                             f"{'infinite' if cardinality == tf.data.INFINITE_CARDINALITY else 'unknown'} "
+                             "length. Expected `steps_per_epoch` with it (or a dataset of known length).")
+        steps_per_epoch = cardinality
+    return Batches(dataset, steps_per_epoch)
+
+
 def from_dataset_fn(fn: Callable, *, steps_per_epoch: int) -> DatasetFn:
     """The escape hatch: a `tf.data` function of the user's, with an inexact resume.
 
@@ -111,12 +142,13 @@ def _as_arrays(structure, what: str):
                         "Expected an array, or a dict of arrays with one row per example.") from e
 
 
-def from_arrays(x, y=None, *, name: str = "arrays") -> Examples:
+def from_arrays(x, y=None, *, sample_weight=None, name: str = "arrays") -> Examples:
     """Examples held in memory: row `i` of every array is example `i`.
 
     Args:
         x: an array, or a dict (or tuple) of arrays: a model with several inputs.
         y: the targets: an array of any dtype, a dict of arrays (several outputs), or `None`.
+        sample_weight: one weight per example (Keras's `sample_weight`), or `None`.
         name: for messages.
 
     Raises:
@@ -124,7 +156,11 @@ def from_arrays(x, y=None, *, name: str = "arrays") -> Examples:
     """
     x = _as_arrays(x, "x")
     y = None if y is None else _as_arrays(y, "y")
-    flat = tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y))
+    weights = None if sample_weight is None else _as_arrays(sample_weight, "sample_weight")
+    if weights is not None and y is None:
+        raise ValueError("Invalid value for argument `sample_weight` of from_arrays. Received: weights without "
+                         "targets (y=None). Expected targets `y` beside them.")
+    flat = tf.nest.flatten(x) + [a for part in (y, weights) if part is not None for a in tf.nest.flatten(part)]
     rows = {a.shape[0] if a.ndim else None for a in flat}
     if len(rows) != 1 or None in rows or 0 in rows:
         raise ValueError(f"Invalid value for argument `x`/`y` of from_arrays. Received: arrays of "
@@ -132,7 +168,8 @@ def from_arrays(x, y=None, *, name: str = "arrays") -> Examples:
                          "number of rows (examples), at least one, in every array.")
 
     def make_reader():
-        tensors = tf.nest.map_structure(tf.constant, (x, y) if y is not None else x)
+        parts = x if y is None else (x, y) if weights is None else (x, y, weights)
+        tensors = tf.nest.map_structure(tf.constant, parts)
 
         def read(ids):
             return tf.nest.map_structure(lambda t: tf.gather(t, ids), tensors)

@@ -45,9 +45,11 @@ def make_dataset_fn(info: DatasetInfo, split: str, *, global_batch_size: int, se
 
 
 def make_examples_fn(name: str, num_examples: int, make_reader, *, global_batch_size: int,
-                     steps_per_epoch: int, seed: int = 0, shuffle: bool = True, start_step: int = 0):
+                     steps_per_epoch: int, seed: int = 0, shuffle: bool = True, start_step: int = 0,
+                     one_pass: bool = False):
     """`make_dataset_fn` for any examples read by id: `make_reader()` returns `read(ids)`,
-    called once in each input pipeline (`distrib_tf.data.examples`)."""
+    called once in each input pipeline (`distrib_tf.data.examples`). `one_pass`: the
+    steps from `start_step` to the end of its epoch, then the end (for `evaluate`)."""
 
     def dataset_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         replicas = input_context.num_replicas_in_sync
@@ -57,6 +59,8 @@ def make_examples_fn(name: str, num_examples: int, make_reader, *, global_batch_
             num_examples=num_examples, steps_per_epoch=steps_per_epoch, global_batch_size=global_batch_size,
             replicas=replicas, pipeline=(index, pipelines), seed=seed, shuffle=shuffle,
             start_step=start_step)
+        if one_pass:
+            ids = ids.take(steps_per_epoch - start_step % steps_per_epoch)
         dataset = ids.map(make_reader(), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         logger.info("%s: input pipeline %d of %d reads its %d replica slice(s) of every global batch",
                     name, index, pipelines, replicas // pipelines)
@@ -64,7 +68,8 @@ def make_examples_fn(name: str, num_examples: int, make_reader, *, global_batch_
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         # Known to be endless, so that a multi-worker strategy does not all-reduce "has
         # data" across the workers before every step (its partial-batch handling).
-        dataset = dataset.apply(tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY))
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(
+            steps_per_epoch - start_step % steps_per_epoch if one_pass else tf.data.INFINITE_CARDINALITY))
         return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
 
     return dataset_fn

@@ -4,7 +4,13 @@ Hosts need not share a disk. Every worker (the chief too) writes its own backups
 its own directory, `model_dir/backup/<task>/` on its own host:
 
     step-000000120.weights.h5   the model and optimizer variables after global step 120
-    step-000000120.json         {"run": ..., "step": 120, "epoch": 3, "task": "worker:1"}
+    step-000000120.json         {"run": ..., "step": 120, "epoch": 3, "task": "worker:1",
+                                 "seeds": [...], "history": [...]}
+
+The metadata also holds what `save_weights` leaves out: the state of every
+`SeedGenerator` of the model (each `Dropout`, random augmentation or noise layer), so that
+a resumed run draws the masks the uninterrupted one would, and the logs of every epoch
+finished (the user's History, whole across restarts).
 
 The `.json` file is written last and atomically: a backup without it does not exist, so
 a process killed while writing leaves the previous backup whole. Both files and the
@@ -53,6 +59,7 @@ import numpy as np
 import tensorflow as tf
 
 from distrib_tf import events
+from distrib_tf.keras import own_logs
 from distrib_tf.keras import phases
 
 _NAME = re.compile(r"step-(\d+)\.json$")
@@ -153,15 +160,18 @@ class WorkerBackup(keras.callbacks.Callback):
         keep: how many backups to keep (at least 2, so that the workers always share
             one while a save is in progress on some of them).
         steps_per_epoch: global steps per epoch, to record the epoch of a step.
+        history: the user's logs of the epochs already finished (`{"epoch": 1, "loss": ...}`),
+            to which each epoch's end adds its own.
     """
 
     def __init__(self, directory: str, *, run: str, task: str, steps_per_epoch: int,
-                 every_steps: int | None = None, keep: int = 2):
+                 every_steps: int | None = None, keep: int = 2, history: list | None = None):
         super().__init__()
         self.directory, self.run, self.task = directory, run, task
         self.steps_per_epoch, self.every_steps, self.keep = steps_per_epoch, every_steps, max(keep, 2)
         self.step = 0  # Global steps finished, counted from the optimizer at train begin.
         self.saved_step = None
+        self.history = list(history or [])
 
     def on_train_begin(self, logs=None):
         self.step = int(self.model.optimizer.iterations.numpy())
@@ -174,6 +184,8 @@ class WorkerBackup(keras.callbacks.Callback):
             self.save()
 
     def on_epoch_end(self, epoch, logs=None):
+        self.history = [h for h in self.history if h["epoch"] <= epoch]
+        self.history.append({"epoch": epoch + 1, **own_logs.users_logs(logs)})
         self.save()
 
     def save(self):
@@ -187,7 +199,8 @@ class WorkerBackup(keras.callbacks.Callback):
         fsync(writing)
         os.replace(writing, weights)
         meta = {"run": self.run, "step": self.step, "epoch": self.step // self.steps_per_epoch,
-                "task": self.task, "bytes": os.path.getsize(weights), "sha256": _sha256(weights)}
+                "task": self.task, "bytes": os.path.getsize(weights), "sha256": _sha256(weights),
+                "seeds": [v.numpy().tolist() for v in seed_states(self.model)], "history": self.history}
         meta_path = _meta_path(self.directory, self.step)
         with open(meta_path + ".writing", "w", encoding="utf-8") as f:
             json.dump(meta, f)
@@ -202,6 +215,21 @@ class WorkerBackup(keras.callbacks.Callback):
             for path in (_meta_path(self.directory, old["step"]), _weights_path(self.directory, old["step"])):
                 if os.path.exists(path):
                     os.remove(path)
+
+
+def seed_states(model) -> list:
+    """The state variables of `model`'s `SeedGenerator`s (in `model.variables`, not in
+    what `save_weights` writes)."""
+    return [v for v in model.variables if v.path.endswith("seed_generator_state")]
+
+
+def read_meta(directory: str, step: int) -> dict:
+    """The metadata of this worker's backup of `step` in `directory`, or `{}`."""
+    try:
+        with open(_meta_path(directory, step), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def hold(directory: str, *, wait_seconds: float = 120.0) -> int:
@@ -330,6 +358,9 @@ def agree_on_resume(model, directory: str, *, run: str, task: str, include_start
                 model.optimizer.build(model.trainable_variables)
         if _holds(row, step):
             model.load_weights(_weights_path(directory, step))
+            seeds = read_meta(directory, step).get("seeds")
+            for variable, value in zip(seed_states(model), seeds or ()):  # Older backups hold none.
+                variable.assign(np.asarray(value, dtype=variable.dtype))
         share_state(model, rows, step, row)
     return step
 

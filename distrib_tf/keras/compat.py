@@ -68,6 +68,14 @@ Keras 3 (tested: `TESTED_KERAS`) on TensorFlow breaks under
    Fixed under several replicas by all-reducing the flag (finite only where finite on
    every replica), and under any strategy by counting a skipped step in `iterations`,
    so that it counts the batches taken alike on every layout.
+11. Keras's saving (`save_weights`, `save`, `ModelCheckpoint`) builds reference objects
+   the first time it saves each kind of object (`saving_lib.get_attr_skipset`), among
+   them an `Optimizer`, whose variables, made under a `MultiWorkerMirroredStrategy`
+   scope, are broadcast from the chief to every worker. A chief-only save inside
+   `strategy.scope()` (a `fit` called there, as in countless Keras scripts) then waits
+   forever in that broadcast, which no other worker joins. Fixed by building them on a
+   thread of their own, where no strategy scope is entered (scopes are per thread); the
+   result is the same attribute names.
 
 Each fix changes behaviour only in the case it names and otherwise calls the original.
 `apply()` installs them once per process; `make_strategy()` calls it for every
@@ -111,14 +119,15 @@ def _private_modules():
     from keras.src.backend.tensorflow import optimizer
     from keras.src.backend.tensorflow import trainer
     from keras.src.optimizers import base_optimizer
+    from keras.src.saving import saving_lib
     from keras.src.trainers import trainer as base_trainer
-    return trainer, optimizer, base_optimizer, base_trainer
+    return trainer, optimizer, base_optimizer, base_trainer, saving_lib
 
 
 def _fixes():
     """Fix name to the `(owner, attribute, replacement)` triples it installs."""
     callbacks = keras.callbacks
-    _tf_trainer, _tf_optimizer, _base_optimizer, _base_trainer = _private_modules()
+    _tf_trainer, _tf_optimizer, _base_optimizer, _base_trainer, _saving_lib = _private_modules()
     return {
         "symbolic_build": [
             (_tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build", _maybe_symbolic_build)
@@ -144,6 +153,7 @@ def _fixes():
         ],
         "trace_then_meet": [(_tf_trainer.TensorFlowTrainer, "_make_function", _trace_then_meet)],
         "meet_before_reset": [(_base_trainer.Trainer, "reset_metrics", _meet_before_reset)],
+        "saving_outside_scope": [(_saving_lib, "get_attr_skipset", _skipset_outside_scopes)],
         "tensorboard": [
             (callbacks.TensorBoard, "set_model", _tensorboard_set_model),
             (callbacks.TensorBoard, "on_train_end", _tensorboard_on_train_end),
@@ -419,3 +429,23 @@ def _count_skipped_step(original, self):
     original(self)
     if tf.distribute.has_strategy():
         self.inner_optimizer.iterations.assign_add(1)
+
+
+# Fix 11.
+def _skipset_outside_scopes(original, obj_type):
+    if not tf.distribute.has_strategy():
+        return original(obj_type)
+    from keras.src.backend.common import global_state  # pylint: disable=import-outside-toplevel
+
+    key = f"saving_attr_skipset_{obj_type}"  # Keras's cache, per thread like its global state.
+    cached = global_state.get_global_attribute(key)
+    if cached is not None:
+        return cached
+    found = []
+    thread = threading.Thread(target=lambda: found.append(original(obj_type)), name="distrib_tf-saving")
+    thread.start()
+    thread.join()
+    if not found:  # It raised on the thread (and printed there): raise it here, in the caller's scope.
+        return original(obj_type)
+    global_state.set_global_attribute(key, found[0])
+    return found[0]

@@ -131,6 +131,13 @@ def attach(model) -> NonFiniteReplicas:
     return metric
 
 
+def detach(model) -> None:
+    """Takes `attach`'s metric off `model` again: its steps log what the user compiled."""
+    if _ATTACHED.pop(model, None) is not None:
+        model.__dict__.pop("compute_metrics", None)
+        model.train_function = model.test_function = model.predict_function = None
+
+
 @contextlib.contextmanager
 def weights_later(model):
     """Inside, the model's `NonFiniteReplicas` checks the predictions only: its update runs

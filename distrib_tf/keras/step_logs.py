@@ -111,3 +111,16 @@ def carry(model) -> bool:
     model.train_function = model.test_function = None
     return True
 
+
+
+def release(model) -> None:
+    """Undoes `carry(model)`: its steps compute their logs as Keras does."""
+    rider = _CARRIED.pop(model, None)
+    if rider is None:
+        return
+    del model.__dict__["compute_loss"]
+    if getattr(rider.compute_metrics, "__self__", None) is model:  # Keras's own method.
+        del model.__dict__["compute_metrics"]
+    else:  # What it was before `carry` (`nonfinite.attach`'s).
+        object.__setattr__(model, "compute_metrics", rider.compute_metrics)
+    model.train_function = model.test_function = None

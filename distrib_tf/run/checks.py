@@ -29,11 +29,13 @@ def check_fit(model, strategy, train, *, epochs, global_batch_size, steps_per_ep
     check_positive("steps_per_epoch", steps_per_epoch)
     check_positive("validation_steps", validation_steps)
     for name, value in (("train", train), ("validation_data", validation_data)):
-        if value is not None and not isinstance(value, (examples_lib.Examples, examples_lib.DatasetFn)):
-            invalid(name, type(value).__name__, "distrib_tf.data examples (from_arrays, from_source, "
-                     "from_images, load) or from_dataset_fn(...)")
+        if value is not None and not isinstance(value, (examples_lib.Examples, examples_lib.DatasetFn,
+                                                        examples_lib.Batches)):
+            invalid(name, type(value).__name__, "arrays, a tf.data.Dataset or distrib_tf.data examples "
+                     "(from_arrays, from_source, from_images, load, from_dataset_fn)")
     try:
-        registry.check_global_batch_size(global_batch_size, strategy.num_replicas_in_sync)
+        if not isinstance(train, examples_lib.Batches):  # A dataset's batches are Keras's to split.
+            registry.check_global_batch_size(global_batch_size, strategy.num_replicas_in_sync)
         steps = steps_per_epoch or train.steps_per_epoch(global_batch_size)
         if isinstance(train, examples_lib.Examples) and steps * global_batch_size > train.num_examples:
             invalid("steps_per_epoch", steps, f"at most {train.num_examples // global_batch_size} steps "
@@ -46,3 +48,8 @@ def check_fit(model, strategy, train, *, epochs, global_batch_size, steps_per_ep
     except ValueError as e:
         raise InvalidRun(str(e)) from e
     return steps, val_steps
+
+
+def check_initial_epoch(initial_epoch, epochs: int) -> None:
+    if isinstance(initial_epoch, bool) or not isinstance(initial_epoch, int) or not 0 <= initial_epoch < epochs:
+        invalid("initial_epoch", initial_epoch, f"an integer from 0 to epochs - 1 ({epochs - 1})")

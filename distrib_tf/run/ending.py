@@ -10,6 +10,7 @@
 No TensorFlow at import.
 """
 
+import atexit
 import os
 import signal
 import sys
@@ -85,6 +86,40 @@ def exit_for(error: BaseException, task: str, *, program: str, strategy=None, is
         print(f"{program}: error: {describe(error, task)}", file=sys.stderr, flush=True)
         events.emit("failed", error=describe(error, task))
     sys.exit(code)
+
+
+def take_uncaught(run) -> None:
+    """For a run used without `with` (`run = Run(...)` at the top of a script): an uncaught
+    error of `classify`'s leaves by its code with its one line, as the `with` block does,
+    and a script that ends normally ends the run (`Run.end`, then leaving together)."""
+    previous = sys.excepthook
+
+    def hook(kind, error, traceback):
+        run._crashed = True  # pylint: disable=protected-access  (no clean end at exit)
+        if not run._ended and isinstance(error, Exception) and classify(error) is not None:  # pylint: disable=protected-access
+            try:
+                exit_for(error, run.task, program=program(), strategy=run.strategy, is_chief=run.is_chief)
+            except SystemExit as leaving:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                atexit._run_exitfuncs()  # pylint: disable=protected-access  (the script's own hooks)
+                os._exit(leaving.code)
+        previous(kind, error, traceback)
+
+    def end_at_exit():
+        if run._ended or getattr(run, "_crashed", False):  # pylint: disable=protected-access
+            return
+        run.end()
+        if run._fitted and _spans_processes(run.strategy):  # pylint: disable=protected-access
+            leave_together(run.strategy, run.is_chief)
+
+    sys.excepthook = hook
+    atexit.register(end_at_exit)
+
+
+def program() -> str:
+    """The script's name, for its error lines."""
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else "python"
 
 
 def _spans_processes(strategy) -> bool:

@@ -39,6 +39,7 @@ import os
 import sys
 
 import keras
+import tensorflow as tf
 
 from distrib_tf import cluster
 from distrib_tf import events
@@ -49,6 +50,7 @@ from distrib_tf.keras import backup
 from distrib_tf.keras import callbacks as callbacks_lib
 from distrib_tf.keras import local_sgd
 from distrib_tf.keras import nonfinite
+from distrib_tf.keras import own_logs
 from distrib_tf.keras import phases
 from distrib_tf.keras import preemption
 from distrib_tf.keras import progress
@@ -56,6 +58,8 @@ from distrib_tf.keras import step_logs
 from distrib_tf.run import checks
 from distrib_tf.run import ending
 from distrib_tf.run import export
+from distrib_tf.run import inputs
+from distrib_tf.run import routing
 from distrib_tf.run import schedules
 from distrib_tf.run.ending import InvalidRun
 from distrib_tf.run.options import RunOptions
@@ -108,15 +112,34 @@ class Run:
                  run_id: str | None = None, strategy: str = "auto", cpu_replicas: int | None = None,
                  collective_timeout: float | None = None, fresh_start: bool = False,
                  exit_codes: bool | None = None):
+        self.exit_codes = (("ipykernel" not in sys.modules) if exit_codes is None else exit_codes)
+        try:
+            self._start(model_dir, seed=seed, backup_every_steps=backup_every_steps, on_nan=on_nan,
+                        max_rollbacks=max_rollbacks, sync=sync, outer_optimizer=outer_optimizer,
+                        outer_learning_rate=outer_learning_rate, outer_momentum=outer_momentum,
+                        allreduce_dtype=allreduce_dtype, run_id=run_id, strategy=strategy,
+                        cpu_replicas=cpu_replicas, collective_timeout=collective_timeout)
+        except InvalidRun as e:
+            if not self.exit_codes:
+                raise
+            ending.exit_for(e, "chief:0", program=ending.program())  # One line, exit 2.
+        self.fresh_start = bool(fresh_start)
+        self.step = 0
+        self.summary: dict = {}  # Written by the chief as `summary.json` at the end; add to it.
+        self._fitted = self._ended = False
+        self._stages: list[tuple[str, str, str]] = []  # Each fit's backup directory, resume source, run id.
+        self._held: list[int] = []  # The backup directories this process holds (`backup.hold`).
+        self._schedule = None  # The user's learning-rate schedule, after a rollback replaced it.
+        tf.distribute.experimental_set_strategy(self.strategy)  # The script's models are built under it.
+        routing.activate(self)  # And their `model.fit` is this run's.
+        if self.exit_codes:
+            ending.take_uncaught(self)
+
+    def _start(self, model_dir, *, seed, strategy, cpu_replicas, collective_timeout, **options):
         if not isinstance(model_dir, (str, os.PathLike)) or not str(model_dir):
             invalid("model_dir", model_dir, "a directory path")
-        self.options = RunOptions(
-            seed=seed, backup_every_steps=backup_every_steps, on_nan=on_nan, max_rollbacks=max_rollbacks,
-            sync=sync, outer_optimizer=outer_optimizer, outer_learning_rate=outer_learning_rate,
-            outer_momentum=outer_momentum, allreduce_dtype=allreduce_dtype, run_id=run_id)
+        self.options = RunOptions(seed=seed, **options)
         self.model_dir = str(model_dir)
-        self.fresh_start = bool(fresh_start)
-        self.exit_codes = (("ipykernel" not in sys.modules) if exit_codes is None else exit_codes)
         preemption.install_sigterm_handler()  # Reclaimed from TensorFlow's once the strategy is made.
         try:
             self.strategy = make_strategy(strategy, cpu_replicas=cpu_replicas, timeout_seconds=collective_timeout)
@@ -129,11 +152,6 @@ class Run:
         self._describe_tasks()
         preemption.set_task(self.task)
         self.backup_dir = os.path.join(self.model_dir, "backup", backup.task_dirname(self.task))
-        self.step = 0
-        self.summary: dict = {}  # Written by the chief as `summary.json` at the end; add to it.
-        self._fitted = self._ended = False
-        self._source = self.backup_dir  # Where fit resumed from (`backup.resume_source`).
-        self._schedule = None  # The user's learning-rate schedule, after a rollback replaced it.
 
     def _describe_tasks(self):
         tf_config = cluster.load_tf_config()
@@ -158,35 +176,51 @@ class Run:
 
     # The data.
 
-    def distribute(self, data, *, global_batch_size: int, start_step: int = 0, shuffle: bool = False):
-        """`data` (an `Examples` or a `DatasetFn`) as a distributed dataset of global batches,
-        in the run's order from `start_step`: for `evaluate` and `predict` after `fit`."""
+    def distribute(self, data, *, global_batch_size: int, start_step: int = 0, shuffle: bool = False,
+                   one_pass: bool = True):
+        """`data` (a `distrib_tf.data` source or a batched `tf.data.Dataset`) as a distributed
+        dataset of global batches, in the run's order from `start_step`: by default one pass,
+        to the end of that epoch (for `evaluate` and `predict`); `one_pass=False`: endless."""
+        if isinstance(data, tf.data.Dataset):
+            data = examples_lib.from_dataset(data)
+        if isinstance(data, examples_lib.Batches):
+            batches = data.dataset if one_pass else data.dataset.repeat()
+            return self.strategy.experimental_distribute_dataset(batches.skip(start_step))
         if isinstance(data, examples_lib.DatasetFn):
             return self.strategy.distribute_datasets_from_function(
                 lambda context: data.fn(context).skip(start_step))
         return self.strategy.distribute_datasets_from_function(pipeline.make_examples_fn(
             data.name, data.num_examples, data.make_reader, global_batch_size=global_batch_size,
             steps_per_epoch=data.steps_per_epoch(global_batch_size), seed=self.options.seed, shuffle=shuffle,
-            start_step=start_step))
+            start_step=start_step, one_pass=one_pass))
 
     # Training.
 
-    def fit(self, model, train, *, epochs: int, global_batch_size: int, steps_per_epoch: int | None = None,
-            validation_data=None, validation_steps: int | None = None, callbacks=(), verbose="auto"):
-        """`model.fit` with every guarantee; returns its `keras.callbacks.History`.
+    def fit(self, model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None, sample_weight=None,
+            initial_epoch=0, steps_per_epoch=None, validation_steps=None, validation_batch_size=None,
+            validation_freq=1, *, global_batch_size=None):
+        """Keras's `model.fit(...)`, its arguments with their meanings, and every guarantee.
+
+        A script's own `model.fit(...)` comes here while the run is live (`distrib_tf.run.
+        routing`); each call is a stage with its own backups: a restart returns what a
+        finished stage returned, with its final state, and resumes the interrupted one at
+        its step. The returned `History` holds the user's metrics only, every epoch's.
 
         Args:
-            model: a compiled Keras model, built under `run.strategy.scope()`.
-            train: an `Examples` (`distrib_tf.data.from_arrays`, `from_source`,
-                `from_images`, `load`) or a `DatasetFn` (`from_dataset_fn`: inexact resume).
+            model: a compiled Keras model, built while the run is live (or under
+                `run.strategy.scope()`).
+            x, y, sample_weight, class_weight, validation_split: as Keras's (arrays, dicts
+                of arrays); `x` also a batched `tf.data.Dataset` or a `distrib_tf.data`
+                source (`from_source`, `from_images`, `load`, `from_dataset_fn`).
+            batch_size: the global batch (over all replicas; a multiple of their number);
+                `global_batch_size` is the same.
             epochs: epochs in all, counting those a resumed run already trained.
-            global_batch_size: over all replicas; a multiple of their number.
-            steps_per_epoch: default: one pass over `train`.
-            validation_data: `Examples` evaluated at every epoch end, in order, in full
-                global batches; `validation_steps` to take fewer.
-            callbacks: the user's own, called after distrib_tf's (a step that stops for
-                a NaN or a preemption reaches none of them). A resumed or rolled-back run
-                calls `on_train_begin` again.
+            validation_data: a tuple `(x, y[, sample_weight])`, a dataset or a source,
+                evaluated in order, in full global batches (`validation_steps` fewer).
+            shuffle: the run's seeded order (exact on every layout), or the rows in order.
+            callbacks: the user's own, called after distrib_tf's; a stage's partial epoch
+                and its rest are one training to them (`on_train_begin` once).
             verbose: Keras's, on the chief; other workers print one line an epoch.
 
         Raises:
@@ -194,14 +228,17 @@ class Run:
             backup.ResumeError: the workers' backups give no common step (exit code 2).
             preemption.Preempted, nonfinite.NonFiniteLoss: see `distrib_tf.run.ending`.
         """
-        if self._fitted:
-            raise InvalidRun("Run.fit was called twice. Expected one fit per Run: make a new Run, "
-                             "with another model_dir, for another training.")
         if self.is_evaluator:
             raise InvalidRun(f"Run.fit on {self.task}. Expected a training task: an evaluator trains nothing.")
+        train, validation_data = inputs.training_data(
+            x, y, sample_weight=sample_weight, class_weight=class_weight, validation_split=validation_split,
+            validation_data=validation_data, steps_per_epoch=steps_per_epoch)
+        global_batch_size = inputs.batch_size_of(train, global_batch_size or batch_size)
         steps, val_steps = checks.check_fit(
             model, self.strategy, train, epochs=epochs, global_batch_size=global_batch_size,
             steps_per_epoch=steps_per_epoch, validation_data=validation_data, validation_steps=validation_steps)
+        checks.check_initial_epoch(initial_epoch, epochs)
+        stage = len(self._stages)
         self._fitted = True
         self.global_batch_size, self.steps_per_epoch, self.epochs = global_batch_size, steps, epochs
         options = self.options
@@ -209,33 +246,58 @@ class Run:
         local_sgd.compress_gradients(model.optimizer, options.allreduce_dtype)
         if options.sync == "step" and options.allreduce_dtype == "float32" and phases.is_multi_worker(self.strategy):
             step_logs.carry(model)  # One collective a step: the logs travel with the gradients.
+        try:
+            with routing.plain_fit():
+                return self._fit_stage(model, train, validation_data, stage=stage, epochs=epochs, steps=steps,
+                                       val_steps=val_steps, global_batch_size=global_batch_size,
+                                       offset=initial_epoch * steps, shuffle=shuffle, callbacks=callbacks,
+                                       verbose=verbose, validation_freq=validation_freq)
+        finally:
+            step_logs.release(model)  # The model is the user's again: its evaluate logs its metrics only.
+            nonfinite.detach(model)
+
+    def _fit_stage(self, model, train, validation_data, *, stage, epochs, steps, val_steps, global_batch_size,
+                   offset, shuffle, callbacks, verbose, validation_freq):
+        options = self.options
         run_id = options.run_id or self._identity(model, train, global_batch_size, steps)
+        if stage or offset:
+            run_id = f"{run_id}-fit{stage}" + (f"-from{offset}" if offset else "")
         self.run_id = run_id
+        backup_dir = self.backup_dir if not stage else os.path.join(
+            self.model_dir, "backup", f"fit{stage}", backup.task_dirname(self.task))
         with preemption.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.
             backup.make_private_dirs(self.model_dir, tighten=True)  # Every worker's: its backups live there.
             grace = float(os.environ.get(preemption.GRACE_ENV) or 60)
-            self._held = backup.hold(self.backup_dir, wait_seconds=2 * grace)  # A task's old process ends first.
-            if self.fresh_start and (held := backup.list_backups(self.backup_dir)):
+            self._held.append(backup.hold(backup_dir, wait_seconds=2 * grace))  # A task's old process ends first.
+            if self.fresh_start and (held := backup.list_backups(backup_dir)):
                 print(f"{self.task} starts at step 0 (fresh_start): deleting its backups of steps "
-                      f"{[b['step'] for b in held]} in {self.backup_dir}", flush=True)
-                backup.remove_backups(self.backup_dir)
-                self._held = backup.hold(self.backup_dir, wait_seconds=2 * grace)
-            source = self._source = (self.backup_dir if self.fresh_start else
-                                     backup.resume_source(self.backup_dir, run=run_id, tasks=self.replica_tasks))
-            start_step = backup.agree_on_resume(model, source, run=run_id, task=self.task)
-        if start_step:
-            moved = ("" if source == self.backup_dir else " (a task this layout does not have)") if (
+                      f"{[b['step'] for b in held]} in {backup_dir}", flush=True)
+                backup.remove_backups(backup_dir)
+                self._held.append(backup.hold(backup_dir, wait_seconds=2 * grace))
+            source = (backup_dir if self.fresh_start else
+                      backup.resume_source(backup_dir, run=run_id, tasks=self.replica_tasks))
+            self._stages.append((backup_dir, source, run_id))
+            resumed = backup.agree_on_resume(model, source, run=run_id, task=self.task)
+        start_step = offset + resumed
+        if resumed:
+            moved = ("" if source == backup_dir else " (a task this layout does not have)") if (
                 backup.list_backups(source)) else " (none here: the state came from a worker that holds it)"
             print(f"{self.task} resumes at step {start_step} (epoch {start_step // steps + 1}, "
                   f"step {start_step % steps} of it) from {source}{moved}", flush=True)
+            if isinstance(train, (examples_lib.DatasetFn, examples_lib.Batches)):
+                print(f"{self.task} skips the first {start_step} batches of {train.name}: the same batches as "
+                      "before only if it is deterministic (a seeded shuffle is)", flush=True)
         self.resumed_at_step = start_step
-        worker_backup = backup.WorkerBackup(self.backup_dir, run=run_id, task=self.task, steps_per_epoch=steps,
-                                            every_steps=options.backup_every_steps)
+        earlier = [h for h in backup.read_meta(source, resumed).get("history", []) if h["epoch"] * steps <= start_step]
+        worker_backup = backup.WorkerBackup(backup_dir, run=run_id, task=self.task, steps_per_epoch=steps,
+                                            every_steps=options.backup_every_steps, history=earlier)
         timer = callbacks_lib.EpochTimer(steps * global_batch_size)
         every = options.sync_every()
         name, rate, momentum = options.outer()
         periodic = [] if every is None else [local_sgd.PeriodicSync(
             self.strategy, every or steps, outer=name, outer_learning_rate=rate, outer_momentum=momentum)]
+        hide = own_logs.HideOwnLogs()
+        users = own_logs.Segments(callbacks or (), model)
         ours = [
             timer, *periodic,
             nonfinite.StopOnNonFinite(workers=list(self.replica_tasks), steps_per_epoch=steps),
@@ -247,40 +309,51 @@ class Run:
         ]
         if not self.is_chief:
             ours.append(callbacks_lib.EpochLine(self.task, epochs))
-        every_callback = ours + list(callbacks or ())
+        every_callback = [*ours, hide, users]
         if verbose == "auto":
             verbose = (1 if sys.stdout.isatty() else 2) if self.is_chief else 0
-        validation = None if validation_data is None else self.distribute(
-            validation_data, global_batch_size=global_batch_size)
-        history, epochs_done, rollbacks = {}, [], []
+        validation = None if validation_data is None else self.distribute(  # Keras reads it every epoch.
+            validation_data, global_batch_size=global_batch_size,
+            one_pass=isinstance(validation_data, examples_lib.Batches))
+        history, rollbacks = {}, []
         step, last_step = start_step, epochs * steps
-        while step < last_step:
+        model.stop_training = False
+        while step < last_step and not model.stop_training:
             epoch, done = divmod(step, steps)
             until = epoch + 1 if done else epochs  # A partial epoch alone, then the rest.
+            users.last = until == epochs
             try:
                 fitted = model.fit(
-                    self.distribute(train, global_batch_size=global_batch_size, start_step=step, shuffle=True),
+                    self.distribute(train, global_batch_size=global_batch_size, start_step=step, shuffle=shuffle,
+                                    one_pass=False),
                     initial_epoch=epoch, epochs=until, steps_per_epoch=steps - done,
-                    validation_data=validation, validation_steps=val_steps,
+                    validation_data=validation, validation_steps=val_steps, validation_freq=validation_freq,
                     callbacks=every_callback, verbose=verbose, shuffle=False,  # The pipeline shuffles.
                 )
             except nonfinite.NonFiniteLoss as e:
                 if isinstance(train, examples_lib.Examples):
                     nonfinite.name_input_culprits(e, self.strategy, self.replica_tasks, self.distribute(
-                        train, global_batch_size=global_batch_size, start_step=e.step - 1, shuffle=True))
+                        train, global_batch_size=global_batch_size, start_step=e.step - 1, shuffle=shuffle,
+                        one_pass=False))
                 if options.on_nan == "stop" or len(rollbacks) == options.max_rollbacks:
                     self.step = e.step
                     raise
-                step = self._roll_back(model, e)
+                step = offset + self._roll_back(model, e)
                 rollbacks.append({"at_step": e.step, "to_step": step,
                                   "learning_rate": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))})
                 worker_backup.saved_step = None
+                worker_backup.history = [h for h in worker_backup.history if h["epoch"] * steps <= step]
                 continue
-            for key, values in fitted.history.items():
-                history.setdefault(key, []).extend(values)
-            epochs_done += fitted.epoch
-            step = until * steps
+            step = (fitted.epoch[-1] + 1) * steps if fitted.epoch else until * steps
+            if model.stop_training and not users.last:  # Stopped by a callback in a partial epoch.
+                users.last = True
+                users.on_train_end()
         self.step = step
+        for record in worker_backup.history:
+            for key, value in record.items():
+                if key != "epoch":
+                    history.setdefault(key, []).append(value)
+        epochs_done = [record["epoch"] - 1 for record in worker_backup.history]
         self.summary.update({
             "run_id": run_id,
             "strategy": self.strategy_name,
@@ -288,8 +361,7 @@ class Run:
             "replicas": self.strategy.num_replicas_in_sync,
             "resumed_at_step": start_step,
             "rollbacks": rollbacks,
-            "epochs": [{"epoch": e + 1, **{k: float(v[i]) for k, v in history.items()}}
-                       for i, e in enumerate(epochs_done)],
+            "epochs": hide.epochs,
             "examples_per_second": timer.steady_rate(),
             "first_step_unix_time": timer.first_step_at,
             "epoch_end_unix_times": timer.ended_at, "epoch_step_seconds": timer.seconds,
@@ -297,10 +369,14 @@ class Run:
             "periodic_sync": {"syncs": periodic[0].syncs, "bytes_per_worker": periodic[0].bytes_per_worker}
             if periodic else None,
         })
+        if stage:
+            self.summary.setdefault("stages", []).append({k: self.summary[k] for k in ("run_id", "resumed_at_step",
+                                                                                       "epochs", "rollbacks")})
         result = keras.callbacks.History()
         result.set_model(model)
         result.history, result.epoch = history, epochs_done
         result.params = {"epochs": epochs, "steps": steps, "verbose": verbose}
+        model.history = result
         return result
 
     def _identity(self, model, train, global_batch_size: int, steps: int) -> str:
@@ -320,7 +396,8 @@ class Run:
         """Restores the last backup every worker holds and halves the learning rate."""
         optimizer = model.optimizer
         rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate)) / 2  # Before the backup restores it.
-        source = backup.resume_source(self.backup_dir, run=self.run_id, tasks=self.replica_tasks)
+        directory = self._stages[-1][0]
+        source = backup.resume_source(directory, run=self.run_id, tasks=self.replica_tasks)
         step = backup.agree_on_resume(model, source, run=self.run_id, task=self.task, include_start=True)
         schedule = schedules.schedule_of(optimizer)
         if schedule is None:
@@ -354,9 +431,13 @@ class Run:
         """The clean end, on every worker: the chief writes `summary.json`; once every
         worker is here the backups go and a `finished` event is emitted. Called on leaving
         the `with` block; idempotent."""
-        if self._ended or not self._fitted:
+        if self._ended:
             return
         self._ended = True
+        tf.distribute.experimental_set_strategy(None)
+        routing.deactivate(self)
+        if not self._fitted:
+            return
         path = os.path.join(self.model_dir, "summary.json")
         if self.is_chief:
             with self.outputs():
@@ -372,9 +453,10 @@ class Run:
                 preemption.check(self.step)
                 raise
         preemption.stop_watching()
-        backup.remove_backups(self.backup_dir)
-        if self._source != self.backup_dir:  # Resumed on another layout: the gone tasks' go too.
-            backup.remove_gone(self.backup_dir, run=self.run_id, tasks=self.replica_tasks)
+        for directory, source, run_id in reversed(self._stages):
+            if source != directory:  # Resumed on another layout: the gone tasks' go too.
+                backup.remove_gone(directory, run=run_id, tasks=self.replica_tasks)
+            backup.remove_backups(directory)
         final = self.summary.get("final") or {  # The last epoch's logs, where the script evaluated nothing.
             k: v for k, v in (self.summary.get("epochs") or [{}])[-1].items() if k != "epoch"}
         events.emit("finished", final=final, summary=path if self.is_chief else None)
@@ -389,7 +471,7 @@ class Run:
                 ending.leave_together(self.strategy, self.is_chief)
             return False
         if self.exit_codes and isinstance(error, Exception):
-            program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else "python"
-            ending.exit_for(error, self.task, program=program, strategy=self.strategy, is_chief=self.is_chief)
+            ending.exit_for(error, self.task, program=ending.program(), strategy=self.strategy,
+                            is_chief=self.is_chief)
         return False
 

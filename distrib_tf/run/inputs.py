@@ -1,0 +1,116 @@
+"""Keras `fit`'s data arguments, with Keras's meanings, as what a run trains on.
+
+- arrays (`x`, `y`, `sample_weight`; one array, a dict or a tuple of them): read by id in
+  the run's order (`distrib_tf.data.from_arrays`), so a resume is exact; `class_weight`
+  becomes one weight per example, as Keras makes it; `validation_split` holds out the
+  last fraction of the rows before any shuffling, as Keras does;
+- a `tf.data.Dataset` (batched, as `fit` takes one): its own order, resumed by skipping
+  batches (`distrib_tf.data.from_dataset`);
+- distrib_tf's own sources (`from_arrays`, `from_source`, `from_images`, `load`,
+  `from_dataset_fn`) as they are.
+
+`validation_data` takes the same forms: a tuple `(x, y)` or `(x, y, sample_weight)`, a
+dataset, or a source.
+"""
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from distrib_tf.data import examples as examples_lib
+from distrib_tf.run.options import invalid
+
+SOURCES = (examples_lib.Examples, examples_lib.DatasetFn, examples_lib.Batches)
+
+
+def training_data(x, y, *, sample_weight, class_weight, validation_split: float, validation_data,
+                  steps_per_epoch: int | None):
+    """`fit`'s data arguments as `(train, validation)`: sources of `distrib_tf.data`."""
+    if isinstance(validation_split, bool) or not 0.0 <= validation_split < 1.0:
+        invalid("validation_split", validation_split, "a fraction in [0, 1)")
+    if isinstance(x, SOURCES) or isinstance(x, tf.data.Dataset):
+        for name, value in (("y", y), ("sample_weight", sample_weight), ("class_weight", class_weight)):
+            if value is not None:
+                invalid(name, type(value).__name__, f"None with x a {type(x).__name__}, which holds its "
+                         "own targets and weights (as Keras's fit)")
+        if validation_split:
+            invalid("validation_split", validation_split, "0 with a dataset: Keras splits arrays only. "
+                     "Pass validation_data instead")
+        return _source(x, "x", steps_per_epoch), validation_of(validation_data)
+    if x is None:
+        invalid("x", None, "arrays, a tf.data.Dataset or a distrib_tf.data source")
+    if hasattr(x, "__getitem__") and hasattr(x, "__len__") and hasattr(x, "on_epoch_end"):
+        invalid("x", type(x).__name__, "arrays, a tf.data.Dataset or a distrib_tf.data source (a "
+                 "keras.utils.PyDataset: distrib_tf.data.from_source on its examples reads them by id)")
+    x, y = _arrays(x, "x"), (None if y is None else _arrays(y, "y"))
+    weights = None if sample_weight is None else np.asarray(sample_weight)
+    if class_weight is not None:
+        weights = _class_weights(y, class_weight) * (1.0 if weights is None else weights)
+    validation = validation_of(validation_data)
+    if validation_split:
+        if validation_data is not None:
+            invalid("validation_split", validation_split, "0 beside validation_data (Keras takes one or the other)")
+        rows = len(tf.nest.flatten(x)[0])
+        split_at = int(math.floor(rows * (1.0 - validation_split)))
+        held_out = [_rows(part, slice(split_at, None)) for part in (x, y, weights)]
+        validation = examples_lib.from_arrays(*held_out[:2], sample_weight=held_out[2], name="validation_split")
+        x, y, weights = (_rows(part, slice(None, split_at)) for part in (x, y, weights))
+    return examples_lib.from_arrays(x, y, sample_weight=weights), validation
+
+
+def validation_of(data):
+    """`validation_data` as a source, or `None`."""
+    if data is None:
+        return None
+    if isinstance(data, tuple) and len(data) in (2, 3) and not isinstance(data[0], SOURCES):
+        x, y, *weights = data
+        return examples_lib.from_arrays(_arrays(x, "validation_data"), _arrays(y, "validation_data"),
+                                        sample_weight=weights[0] if weights else None, name="validation_data")
+    return _source(data, "validation_data", None)
+
+
+def _source(data, argument: str, steps_per_epoch: int | None):
+    if isinstance(data, SOURCES):
+        return data
+    if isinstance(data, tf.data.Dataset):
+        try:
+            return examples_lib.from_dataset(data, steps_per_epoch=steps_per_epoch)
+        except ValueError as e:
+            invalid(argument, "a tf.data.Dataset of unknown or infinite length", f"`steps_per_epoch` with it ({e})")
+    invalid(argument, type(data).__name__, "arrays, a tuple (x, y), a tf.data.Dataset or a distrib_tf.data source")
+
+
+def _arrays(structure, argument: str):
+    try:
+        return tf.nest.map_structure(np.asarray, structure)
+    except (TypeError, ValueError):
+        invalid(argument, type(structure).__name__, "an array, or a dict or tuple of arrays")
+
+
+def _rows(structure, rows: slice):
+    return None if structure is None else tf.nest.map_structure(lambda a: a[rows], structure)
+
+
+def _class_weights(y, class_weight: dict) -> np.ndarray:
+    """Keras's: each example weighs its class's weight (`y` class ids, or one-hot rows)."""
+    if y is None or len(tf.nest.flatten(y)) != 1:
+        invalid("class_weight", class_weight, "None with several outputs or no targets (as Keras's fit)")
+    labels = np.asarray(tf.nest.flatten(y)[0])
+    labels = labels.argmax(-1) if labels.ndim > 1 and labels.shape[-1] > 1 else labels.reshape(len(labels))
+    try:
+        return np.array([class_weight[int(label)] for label in labels], dtype="float32")
+    except KeyError as e:
+        invalid("class_weight", class_weight, f"a weight for every class, {e.args[0]} included")
+
+
+def batch_size_of(train, batch_size: int | None) -> int:
+    """The global batch: `batch_size` (Keras's default 32 for arrays), or a dataset's own."""
+    if not isinstance(train, examples_lib.Batches):
+        return 32 if batch_size is None else batch_size
+    if batch_size is not None:
+        invalid("batch_size", batch_size, "None with a tf.data.Dataset, which is batched already (as Keras's fit)")
+    first = tf.nest.flatten(train.dataset.element_spec)[0].shape
+    if first.rank and first[0] is not None:
+        return int(first[0])
+    return int(tf.nest.flatten(next(iter(train.dataset)))[0].shape[0])

@@ -1,0 +1,61 @@
+"""A script's own `model.fit(...)` gets every guarantee while a `Run` is live.
+
+From `Run(...)` until its end, a model built in the script (its strategy is the run's,
+which the run makes the default: `tf.distribute.experimental_set_strategy`) trains
+through `Run.fit` when the script calls `model.fit(...)`: the same arguments, the same
+History, and the run's exact resume, preemption and NaN stop. A Keras script so changes no
+line; `run.fit(model, ...)` is the same call spelt out.
+
+This is the one place where distrib_tf takes Keras's `fit` for a model: `keras.Model.fit`
+is wrapped while a run is live and given back at its end. Models under another strategy,
+and `Run.fit`'s own calls of Keras's `fit`, go straight to Keras.
+
+Example:
+
+    >>> run = distrib_tf.Run("runs/mnist")
+    >>> model = keras.Sequential([...]); model.compile(...)
+    >>> model.fit(x, y, batch_size=128, epochs=3, validation_split=0.1)  # Run.fit(model, x, y, ...)
+"""
+
+import contextlib
+import functools
+import threading
+
+import keras
+
+_live = []  # The live Run, if any (one per process).
+_inside = threading.local()  # Set while Run.fit calls Keras's own fit.
+
+
+def activate(run) -> None:
+    """`model.fit` of models under `run.strategy` goes through `run.fit` from now on."""
+    if "fit" not in vars(keras.Model):  # Keras's own is its trainer's, above Model.
+
+        @functools.wraps(keras.Model.fit)
+        def fit(self, *args, **kwargs):
+            current = _live[-1] if _live else None
+            if current is None or getattr(_inside, "on", False) or self.distribute_strategy is not current.strategy:
+                return super(keras.Model, self).fit(*args, **kwargs)
+            return current.fit(self, *args, **kwargs)
+
+        keras.Model.fit = fit
+    _live[:] = [run]
+
+
+def deactivate(run) -> None:
+    """Gives Keras's `fit` back once `run` ends."""
+    if _live and _live[-1] is run:
+        _live.clear()
+        if "fit" in vars(keras.Model):
+            del keras.Model.fit
+
+
+@contextlib.contextmanager
+def plain_fit():
+    """Inside, `model.fit` is Keras's own (what `Run.fit` calls)."""
+    before = getattr(_inside, "on", False)
+    _inside.on = True
+    try:
+        yield
+    finally:
+        _inside.on = before
