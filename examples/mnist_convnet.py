@@ -1,6 +1,6 @@
 """Simple MNIST convnet, as keras.io has it (keras.io/examples/vision/mnist_convnet/), on
-synthetic digits (no download here), with every guarantee of distrib_tf: the two lines
-marked below are all it adds to the plain script (`plain/mnist_convnet.py`)."""
+synthetic digits (no download here). `mnist_convnet.py` is `plain_mnist_convnet.py` with
+the lines marked `distrib_tf: added`, and nothing else changed."""
 
 import numpy as np
 import keras
@@ -8,7 +8,6 @@ from keras import layers
 
 from synthetic import load_digits
 import distrib_tf  # distrib_tf: added.
-
 run = distrib_tf.Run("runs/mnist_convnet", backup_every_steps=5)  # distrib_tf: added.
 
 # Model / data parameters
