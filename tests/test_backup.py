@@ -64,7 +64,8 @@ def test_keeps_the_last_two_and_saves_every_n_steps(tmp_path):
     meta = json.loads((tmp_path / "step-000000008.json").read_text())
     weights = tmp_path / "step-000000008.weights.h5"
     assert meta == {"run": "run-a", "step": 8, "epoch": 2, "task": "chief:0", "bytes": weights.stat().st_size,
-                    "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
+                    "sha256": hashlib.sha256(weights.read_bytes()).hexdigest(), "seeds": [],
+                    "history": [{"epoch": 1}, {"epoch": 2}], "callbacks": [], "stopped": False}  # No Dropout.
     backup.remove_backups(str(tmp_path))
     assert not tmp_path.exists() or not list(tmp_path.iterdir())
 

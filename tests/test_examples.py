@@ -1,9 +1,10 @@
-"""A keras.io script gets every guarantee by adding lines and changing none: the example
-(`examples/mnist_convnet.py`, keras.io's MNIST convnet with its `Dropout(0.5)` and
-`fit(x, y, batch_size=128, epochs=3, validation_split=0.1)`) against its plain Keras
-original (`examples/plain_mnist_convnet.py`), on 2 real workers: preempted at a random step
-inside an epoch, started again, it ends on the weights of the run never interrupted, and
-its History has plain Keras's keys."""
+"""A keras.io script gets every guarantee by adding lines and changing none. Two examples
+against their plain Keras originals (`examples/plain_*.py`): keras.io's MNIST convnet
+(`Dropout(0.5)`, `fit(x, y, batch_size=128, epochs=3, validation_split=0.1)`) and its
+text classifier with Transformer (custom layers, `MultiHeadAttention`, four `Dropout`s,
+`fit(x, y, batch_size=32, validation_data=(x_val, y_val))` inside the strategy scope). On
+2 real workers, preempted at a random step inside an epoch and started again, each ends on
+the weights of the run never interrupted, and its History has plain Keras's keys."""
 
 import difflib
 import json
@@ -21,24 +22,29 @@ ROOT = os.path.dirname(os.path.dirname(__file__))
 EXAMPLES = os.path.join(ROOT, "examples")
 RUNNER = os.path.join(ROOT, "tests", "workers", "run_example.py")
 ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
-STEPS = 14  # An epoch of 1843 training rows (2048 less the 10% validation_split) in batches of 128.
+# name: (steps an epoch, epochs, the History's keys, the line distrib_tf adds after its import).
+EXAMPLES_ = {
+    # 1843 training rows (2048 less the 10% validation_split) in batches of 128.
+    "mnist_convnet": (14, 3, 'run = distrib_tf.Run("runs/mnist_convnet", backup_every_steps=5)'),
+    "text_transformer": (32, 2, 'run = distrib_tf.Run("runs/text_transformer", backup_every_steps=5)'),  # 1024 / 32.
+}
 
 
-def _lines(name):
+def _lines(name: str) -> list[str]:
     with open(os.path.join(EXAMPLES, name), encoding="utf-8") as f:
         return f.read().splitlines()
 
 
-def test_the_example_adds_two_lines_to_the_keras_io_script_and_changes_none():
+@pytest.mark.parametrize("name", EXAMPLES_)
+def test_the_example_adds_two_lines_to_the_keras_io_script_and_changes_none(name):
     added, removed = [], []
-    for line in difflib.unified_diff(_lines("plain_mnist_convnet.py"), _lines("mnist_convnet.py"), lineterm="", n=0):
+    for line in difflib.unified_diff(_lines(f"plain_{name}.py"), _lines(f"{name}.py"), lineterm="", n=0):
         if line.startswith(("+++", "---", "@@")):
             continue
         (added if line.startswith("+") else removed).append(line[1:])
     assert removed == [], removed  # No line of the Keras script changed.
     assert len(added) <= 3 and all("distrib_tf" in line for line in added), added
-    assert added == ["import distrib_tf  # distrib_tf: added.",
-                     'run = distrib_tf.Run("runs/mnist_convnet", backup_every_steps=5)  # distrib_tf: added.']
+    assert added == ["import distrib_tf  # distrib_tf: added.", f"{EXAMPLES_[name][2]}  # distrib_tf: added."]
 
 
 def _example(cwd, script, *args, workers=2):
@@ -52,12 +58,14 @@ def _example(cwd, script, *args, workers=2):
 
 
 @pytest.mark.multiworker
-def test_a_keras_io_script_preempted_inside_an_epoch_ends_on_the_uninterrupted_weights(tmp_path):
+@pytest.mark.parametrize("name", EXAMPLES_)
+def test_a_keras_io_script_preempted_inside_an_epoch_ends_on_the_uninterrupted_weights(tmp_path, name):
+    steps, epochs, _ = EXAMPLES_[name]
     (tmp_path / "plain").mkdir()
-    code, text, plain = _example(tmp_path / "plain", "plain_mnist_convnet.py", workers=0)
+    code, text, plain = _example(tmp_path / "plain", f"plain_{name}.py", workers=0)
     assert code == 0, text[-3000:]
     (tmp_path / "uninterrupted").mkdir()
-    code, text, uninterrupted = _example(tmp_path / "uninterrupted", "mnist_convnet.py")
+    code, text, uninterrupted = _example(tmp_path / "uninterrupted", f"{name}.py")
     assert code == 0, text[-3000:]
     assert sorted(uninterrupted) == ["worker:0", "worker:1"], text[-3000:]
     reference = uninterrupted["worker:0"]["weights"]
@@ -65,23 +73,24 @@ def test_a_keras_io_script_preempted_inside_an_epoch_ends_on_the_uninterrupted_w
     history_keys = sorted(plain["single"]["history"])
     assert history_keys == ["accuracy", "loss", "val_accuracy", "val_loss"], history_keys
     assert sorted(uninterrupted["worker:0"]["history"]) == history_keys  # Nothing of distrib_tf's in it.
-    assert not (tmp_path / "uninterrupted" / "runs" / "mnist_convnet" / "backup").exists()  # A clean end.
+    assert not (tmp_path / "uninterrupted" / "runs" / name / "backup").exists()  # A clean end.
 
-    step = random.Random().choice([s for s in range(STEPS + 2, 2 * STEPS - 1) if s % 5])  # Inside epoch 2.
+    step = random.Random().choice([s for s in range(steps + 2, 2 * steps - 1) if s % 5])  # Inside epoch 2.
     (tmp_path / "preempted").mkdir()
-    code, text, _ = _example(tmp_path / "preempted", "mnist_convnet.py", f"--sigterm_at_step={step}")
+    code, text, _ = _example(tmp_path / "preempted", f"{name}.py", f"--sigterm_at_step={step}")
     assert code == 75, (step, text[-3000:])
     saved = {int(s) for s in re.findall(r"preempted: backed up step (\d+) like every worker", text)}
     assert len(saved) == 1, (step, text[-3000:])
     saved_step = saved.pop()
-    assert step <= saved_step < 3 * STEPS, (step, saved_step)
-    code, text, resumed = _example(tmp_path / "preempted", "mnist_convnet.py")
+    assert step <= saved_step < epochs * steps, (step, saved_step)
+    code, text, resumed = _example(tmp_path / "preempted", f"{name}.py")
     assert code == 0, text[-3000:]
     assert len(re.findall(rf"worker:\d resumes at step {saved_step} ", text)) == 2, text[-3000:]
     assert [resumed[t]["weights"] for t in ("worker:0", "worker:1")] == [reference, reference], (
         saved_step, resumed, reference)  # Bit-identical, Dropout masks included.
     assert sorted(resumed["worker:0"]["history"]) == history_keys
-    assert len(resumed["worker:0"]["history"]["loss"]) == 3  # Every epoch, those before the restart too.
-    assert resumed["worker:0"]["history"]["loss"][0] == uninterrupted["worker:0"]["history"]["loss"][0]
-    print(f"keras.io convnet, 2 workers: SIGTERM after step {step}, both backed up step {saved_step}, resumed: "
+    mine, theirs = resumed["worker:0"]["history"], uninterrupted["worker:0"]["history"]
+    assert len(mine["loss"]) == epochs  # Every epoch, those before the restart too.
+    assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6)  # The resumed epoch over all its steps.
+    print(f"keras.io {name}, 2 workers: SIGTERM after step {step}, both backed up step {saved_step}, resumed: "
           f"final weights bit-identical to the uninterrupted run ({reference[:16]})")

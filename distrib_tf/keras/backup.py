@@ -59,8 +59,8 @@ import numpy as np
 import tensorflow as tf
 
 from distrib_tf import events
-from distrib_tf.keras import own_logs
 from distrib_tf.keras import phases
+from distrib_tf.keras import user_view
 
 _NAME = re.compile(r"step-(\d+)\.json$")
 _JOB_CODES = {"chief": 0, "worker": 1}
@@ -165,13 +165,16 @@ class WorkerBackup(keras.callbacks.Callback):
     """
 
     def __init__(self, directory: str, *, run: str, task: str, steps_per_epoch: int,
-                 every_steps: int | None = None, keep: int = 2, history: list | None = None):
+                 every_steps: int | None = None, keep: int = 2, history: list | None = None,
+                 callbacks=(), epoch_metrics: list | None = None):
         super().__init__()
         self.directory, self.run, self.task = directory, run, task
         self.steps_per_epoch, self.every_steps, self.keep = steps_per_epoch, every_steps, max(keep, 2)
         self.step = 0  # Global steps finished, counted from the optimizer at train begin.
         self.saved_step = None
         self.history = list(history or [])
+        self.callbacks = list(callbacks)  # The user's: their states go into every backup.
+        self.epoch_metrics = epoch_metrics  # The resumed epoch's metric sums so far, restored at its start.
 
     def on_train_begin(self, logs=None):
         self.step = int(self.model.optimizer.iterations.numpy())
@@ -183,9 +186,14 @@ class WorkerBackup(keras.callbacks.Callback):
         if self.every_steps and self.step % self.every_steps == 0:
             self.save()
 
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.epoch_metrics is not None:  # After Keras's reset: the epoch goes on from them.
+            set_metric_sums(self.model, self.epoch_metrics)
+            self.epoch_metrics = None
+
     def on_epoch_end(self, epoch, logs=None):
         self.history = [h for h in self.history if h["epoch"] <= epoch]
-        self.history.append({"epoch": epoch + 1, **own_logs.users_logs(logs)})
+        self.history.append({"epoch": epoch + 1, **user_view.users_logs(logs)})
         self.save()
 
     def save(self):
@@ -200,7 +208,10 @@ class WorkerBackup(keras.callbacks.Callback):
         os.replace(writing, weights)
         meta = {"run": self.run, "step": self.step, "epoch": self.step // self.steps_per_epoch,
                 "task": self.task, "bytes": os.path.getsize(weights), "sha256": _sha256(weights),
-                "seeds": [v.numpy().tolist() for v in seed_states(self.model)], "history": self.history}
+                "seeds": [v.numpy().tolist() for v in seed_states(self.model)], "history": self.history,
+                "callbacks": user_view.callback_states(self.callbacks), "stopped": bool(self.model.stop_training)}
+        if self.step % self.steps_per_epoch:  # Inside an epoch: the sums its History value needs.
+            meta["metrics"] = metric_sums(self.model)
         meta_path = _meta_path(self.directory, self.step)
         with open(meta_path + ".writing", "w", encoding="utf-8") as f:
             json.dump(meta, f)
@@ -221,6 +232,26 @@ def seed_states(model) -> list:
     """The state variables of `model`'s `SeedGenerator`s (in `model.variables`, not in
     what `save_weights` writes)."""
     return [v for v in model.variables if v.path.endswith("seed_generator_state")]
+
+
+def metric_sums(model) -> list:
+    """This worker's own share of every compiled metric's state (its replicas' parts of each
+    on-read variable, as they are: no collective), for the epoch's History value."""
+    strategy = model.distribute_strategy
+    return [[np.asarray(part.numpy()).tolist() for part in strategy.experimental_local_results(v.value)]
+            for v in model.metrics_variables]
+
+
+def set_metric_sums(model, sums: list) -> None:
+    """Restores `metric_sums` on the layout it was taken on (elsewhere the resumed epoch's
+    value covers the steps after the resume only)."""
+    strategy, variables = model.distribute_strategy, model.metrics_variables
+    parts = [strategy.experimental_local_results(v.value) for v in variables]
+    if len(sums) != len(parts) or any(len(a) != len(b) for a, b in zip(sums, parts)):
+        return
+    for saved, local in zip(sums, parts):
+        for value, part in zip(saved, local):
+            part.assign(np.asarray(value, dtype=part.dtype.as_numpy_dtype).reshape(part.shape))
 
 
 def read_meta(directory: str, step: int) -> dict:

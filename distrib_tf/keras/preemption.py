@@ -103,17 +103,22 @@ def _watch_for_stuck(read_end: int) -> None:
         os._exit(exit_codes.PREEMPTED)
 
 
-def install_sigterm_handler() -> None:
+def install_sigterm_handler(*, outside_phases: str = "record") -> None:
     """SIGTERM then records that a preemption is coming, or raises inside `saved()`
     (main thread only); with `watch_peers`, it tells every other worker too.
+
+    `outside_phases="default"`: outside `saved()` and `guarded()` (a user's script loading
+    its data, or working on after `fit`) SIGTERM keeps its default meaning and ends the
+    process. A handler already installed keeps its mode (the main job's records always).
 
     Making a `MultiWorkerMirroredStrategy` installs TensorFlow's own SIGTERM handler (the
     coordination service's preemption notifier, which does not stop the process): call
     this after it, or `reclaim_sigterm()` once it is made.
     """
-    global _installed
+    global _installed, _outside_default
     if not _installed:
         _start_watchdog()
+        _outside_default = outside_phases == "default"
     _installed = True
     signal.signal(signal.SIGTERM, _record)
 
@@ -124,8 +129,27 @@ def reclaim_sigterm() -> None:
         signal.signal(signal.SIGTERM, _record)
 
 
+_outside_default = False
+_guards = [0]  # Phases inside which a SIGTERM is a preemption to save (`guarded()`).
+
+
+@contextlib.contextmanager
+def guarded():
+    """Inside (a `fit`: its callbacks save and stop), SIGTERM is a preemption to save,
+    whatever `install_sigterm_handler`'s `outside_phases`."""
+    _guards[0] += 1
+    try:
+        yield
+    finally:
+        _guards[0] -= 1
+
+
 def _record(signum, frame):
     global _requested
+    if _outside_default and not _saved and not _guards[0]:  # Not ours to save: as if never installed.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
     first = not _requested
     _requested = True
     if first and _peers_key is not None:  # Every worker, in whatever phase it is, is told.
@@ -214,6 +238,9 @@ def request() -> None:
     _requested = True
 
 
+_fits = [0]  # Keras fits that a SaveOnPreemption watched, in this process.
+
+
 class SaveOnPreemption(keras.callbacks.Callback):
     """Saves and stops every worker at one step once any of them received SIGTERM.
 
@@ -239,14 +266,13 @@ class SaveOnPreemption(keras.callbacks.Callback):
             grace = os.environ.get(GRACE_ENV)
             ack_timeout = float(grace) / 4 if grace else 120.0
         self.worker_backup, self.ack_timeout = worker_backup, ack_timeout
-        self._fits = 0
         self._in_fit, self._validating = False, None
 
     def on_train_begin(self, logs=None):
-        self._fits += 1  # A key per fit: the main job fits again after a rollback.
+        _fits[0] += 1  # A key per Keras fit in the process, alike on every worker (rollbacks, stages).
         self._leave_validation()
         self._in_fit = True
-        self._key, self._target, self._named = f"distrib_tf/preempt/{self._fits}", None, False
+        self._key, self._target, self._named = f"distrib_tf/preempt/{_fits[0]}", None, False
         resolver = getattr(self.model.distribute_strategy, "cluster_resolver", None)
         spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
         self._tasks = [f"{kind}:{i}" for kind in ("chief", "worker") for i in range(len(spec.get(kind, ())))]

@@ -33,8 +33,6 @@ once every worker's outputs are written, and, under several workers, ends the pr
 `exit_codes=False`: the errors are raised as they are.
 """
 
-import hashlib
-import json
 import os
 import sys
 
@@ -47,13 +45,10 @@ from distrib_tf import lifeline
 from distrib_tf.data import examples as examples_lib
 from distrib_tf.data import pipeline
 from distrib_tf.keras import backup
-from distrib_tf.keras import callbacks as callbacks_lib
 from distrib_tf.keras import local_sgd
 from distrib_tf.keras import nonfinite
-from distrib_tf.keras import own_logs
 from distrib_tf.keras import phases
 from distrib_tf.keras import preemption
-from distrib_tf.keras import progress
 from distrib_tf.keras import step_logs
 from distrib_tf.run import checks
 from distrib_tf.run import ending
@@ -61,6 +56,7 @@ from distrib_tf.run import export
 from distrib_tf.run import inputs
 from distrib_tf.run import routing
 from distrib_tf.run import schedules
+from distrib_tf.run import stage as stage_lib
 from distrib_tf.run.ending import InvalidRun
 from distrib_tf.run.options import RunOptions
 from distrib_tf.run.options import invalid
@@ -126,7 +122,7 @@ class Run:
         self.fresh_start = bool(fresh_start)
         self.step = 0
         self.summary: dict = {}  # Written by the chief as `summary.json` at the end; add to it.
-        self._fitted = self._ended = False
+        self._fitted = self._ended = self._crashed = False
         self._stages: list[tuple[str, str, str]] = []  # Each fit's backup directory, resume source, run id.
         self._held: list[int] = []  # The backup directories this process holds (`backup.hold`).
         self._schedule = None  # The user's learning-rate schedule, after a rollback replaced it.
@@ -140,7 +136,8 @@ class Run:
             invalid("model_dir", model_dir, "a directory path")
         self.options = RunOptions(seed=seed, **options)
         self.model_dir = str(model_dir)
-        preemption.install_sigterm_handler()  # Reclaimed from TensorFlow's once the strategy is made.
+        # Reclaimed from TensorFlow's once the strategy is made; outside fit and the outputs, its own meaning.
+        preemption.install_sigterm_handler(outside_phases="default")
         try:
             self.strategy = make_strategy(strategy, cpu_replicas=cpu_replicas, timeout_seconds=collective_timeout)
         except ValueError as e:
@@ -247,169 +244,14 @@ class Run:
         if options.sync == "step" and options.allreduce_dtype == "float32" and phases.is_multi_worker(self.strategy):
             step_logs.carry(model)  # One collective a step: the logs travel with the gradients.
         try:
-            with routing.plain_fit():
-                return self._fit_stage(model, train, validation_data, stage=stage, epochs=epochs, steps=steps,
+            with routing.plain_fit(), preemption.guarded():
+                return stage_lib.fit_stage(self, model, train, validation_data, stage=stage, epochs=epochs, steps=steps,
                                        val_steps=val_steps, global_batch_size=global_batch_size,
                                        offset=initial_epoch * steps, shuffle=shuffle, callbacks=callbacks,
                                        verbose=verbose, validation_freq=validation_freq)
         finally:
             step_logs.release(model)  # The model is the user's again: its evaluate logs its metrics only.
             nonfinite.detach(model)
-
-    def _fit_stage(self, model, train, validation_data, *, stage, epochs, steps, val_steps, global_batch_size,
-                   offset, shuffle, callbacks, verbose, validation_freq):
-        options = self.options
-        run_id = options.run_id or self._identity(model, train, global_batch_size, steps)
-        if stage or offset:
-            run_id = f"{run_id}-fit{stage}" + (f"-from{offset}" if offset else "")
-        self.run_id = run_id
-        backup_dir = self.backup_dir if not stage else os.path.join(
-            self.model_dir, "backup", f"fit{stage}", backup.task_dirname(self.task))
-        with preemption.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.
-            backup.make_private_dirs(self.model_dir, tighten=True)  # Every worker's: its backups live there.
-            grace = float(os.environ.get(preemption.GRACE_ENV) or 60)
-            self._held.append(backup.hold(backup_dir, wait_seconds=2 * grace))  # A task's old process ends first.
-            if self.fresh_start and (held := backup.list_backups(backup_dir)):
-                print(f"{self.task} starts at step 0 (fresh_start): deleting its backups of steps "
-                      f"{[b['step'] for b in held]} in {backup_dir}", flush=True)
-                backup.remove_backups(backup_dir)
-                self._held.append(backup.hold(backup_dir, wait_seconds=2 * grace))
-            source = (backup_dir if self.fresh_start else
-                      backup.resume_source(backup_dir, run=run_id, tasks=self.replica_tasks))
-            self._stages.append((backup_dir, source, run_id))
-            resumed = backup.agree_on_resume(model, source, run=run_id, task=self.task)
-        start_step = offset + resumed
-        if resumed:
-            moved = ("" if source == backup_dir else " (a task this layout does not have)") if (
-                backup.list_backups(source)) else " (none here: the state came from a worker that holds it)"
-            print(f"{self.task} resumes at step {start_step} (epoch {start_step // steps + 1}, "
-                  f"step {start_step % steps} of it) from {source}{moved}", flush=True)
-            if isinstance(train, (examples_lib.DatasetFn, examples_lib.Batches)):
-                print(f"{self.task} skips the first {start_step} batches of {train.name}: the same batches as "
-                      "before only if it is deterministic (a seeded shuffle is)", flush=True)
-        self.resumed_at_step = start_step
-        earlier = [h for h in backup.read_meta(source, resumed).get("history", []) if h["epoch"] * steps <= start_step]
-        worker_backup = backup.WorkerBackup(backup_dir, run=run_id, task=self.task, steps_per_epoch=steps,
-                                            every_steps=options.backup_every_steps, history=earlier)
-        timer = callbacks_lib.EpochTimer(steps * global_batch_size)
-        every = options.sync_every()
-        name, rate, momentum = options.outer()
-        periodic = [] if every is None else [local_sgd.PeriodicSync(
-            self.strategy, every or steps, outer=name, outer_learning_rate=rate, outer_momentum=momentum)]
-        hide = own_logs.HideOwnLogs()
-        users = own_logs.Segments(callbacks or (), model)
-        ours = [
-            timer, *periodic,
-            nonfinite.StopOnNonFinite(workers=list(self.replica_tasks), steps_per_epoch=steps),
-            worker_backup, preemption.SaveOnPreemption(worker_backup),  # Checked, then backed up.
-            progress.Progress(task=self.task, workers=list(self.replica_tasks), epochs=epochs,
-                              steps_per_epoch=steps, global_batch_size=global_batch_size),
-            callbacks_lib.ChiefCheckpoint(self.model_dir, run_id),
-            keras.callbacks.TensorBoard(os.path.join(self.model_dir, "logs"), write_graph=False),
-        ]
-        if not self.is_chief:
-            ours.append(callbacks_lib.EpochLine(self.task, epochs))
-        every_callback = [*ours, hide, users]
-        if verbose == "auto":
-            verbose = (1 if sys.stdout.isatty() else 2) if self.is_chief else 0
-        validation = None if validation_data is None else self.distribute(  # Keras reads it every epoch.
-            validation_data, global_batch_size=global_batch_size,
-            one_pass=isinstance(validation_data, examples_lib.Batches))
-        history, rollbacks = {}, []
-        step, last_step = start_step, epochs * steps
-        model.stop_training = False
-        while step < last_step and not model.stop_training:
-            epoch, done = divmod(step, steps)
-            until = epoch + 1 if done else epochs  # A partial epoch alone, then the rest.
-            users.last = until == epochs
-            try:
-                fitted = model.fit(
-                    self.distribute(train, global_batch_size=global_batch_size, start_step=step, shuffle=shuffle,
-                                    one_pass=False),
-                    initial_epoch=epoch, epochs=until, steps_per_epoch=steps - done,
-                    validation_data=validation, validation_steps=val_steps, validation_freq=validation_freq,
-                    callbacks=every_callback, verbose=verbose, shuffle=False,  # The pipeline shuffles.
-                )
-            except nonfinite.NonFiniteLoss as e:
-                if isinstance(train, examples_lib.Examples):
-                    nonfinite.name_input_culprits(e, self.strategy, self.replica_tasks, self.distribute(
-                        train, global_batch_size=global_batch_size, start_step=e.step - 1, shuffle=shuffle,
-                        one_pass=False))
-                if options.on_nan == "stop" or len(rollbacks) == options.max_rollbacks:
-                    self.step = e.step
-                    raise
-                step = offset + self._roll_back(model, e)
-                rollbacks.append({"at_step": e.step, "to_step": step,
-                                  "learning_rate": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))})
-                worker_backup.saved_step = None
-                worker_backup.history = [h for h in worker_backup.history if h["epoch"] * steps <= step]
-                continue
-            step = (fitted.epoch[-1] + 1) * steps if fitted.epoch else until * steps
-            if model.stop_training and not users.last:  # Stopped by a callback in a partial epoch.
-                users.last = True
-                users.on_train_end()
-        self.step = step
-        for record in worker_backup.history:
-            for key, value in record.items():
-                if key != "epoch":
-                    history.setdefault(key, []).append(value)
-        epochs_done = [record["epoch"] - 1 for record in worker_backup.history]
-        self.summary.update({
-            "run_id": run_id,
-            "strategy": self.strategy_name,
-            "workers": self.workers,
-            "replicas": self.strategy.num_replicas_in_sync,
-            "resumed_at_step": start_step,
-            "rollbacks": rollbacks,
-            "epochs": hide.epochs,
-            "examples_per_second": timer.steady_rate(),
-            "first_step_unix_time": timer.first_step_at,
-            "epoch_end_unix_times": timer.ended_at, "epoch_step_seconds": timer.seconds,
-            "weights_sha256": export.weights_fingerprint(model),
-            "periodic_sync": {"syncs": periodic[0].syncs, "bytes_per_worker": periodic[0].bytes_per_worker}
-            if periodic else None,
-        })
-        if stage:
-            self.summary.setdefault("stages", []).append({k: self.summary[k] for k in ("run_id", "resumed_at_step",
-                                                                                       "epochs", "rollbacks")})
-        result = keras.callbacks.History()
-        result.set_model(model)
-        result.history, result.epoch = history, epochs_done
-        result.params = {"epochs": epochs, "steps": steps, "verbose": verbose}
-        model.history = result
-        return result
-
-    def _identity(self, model, train, global_batch_size: int, steps: int) -> str:
-        """What a backup must match to be resumed: whatever changes the arithmetic."""
-        config = model.optimizer.get_config()
-        config.pop("name", None)
-        described = {
-            "variables": [(v.path, tuple(v.shape), str(v.dtype)) for v in model.variables],
-            "optimizer": [type(model.optimizer).__name__, config],
-            "data": getattr(train, "fingerprint", "") or train.name, "global_batch_size": global_batch_size,
-            "steps_per_epoch": steps, "seed": self.options.seed, "sync": self.options.sync,
-            "outer": self.options.outer(), "allreduce_dtype": self.options.allreduce_dtype,
-        }
-        return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-    def _roll_back(self, model, error) -> int:
-        """Restores the last backup every worker holds and halves the learning rate."""
-        optimizer = model.optimizer
-        rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate)) / 2  # Before the backup restores it.
-        directory = self._stages[-1][0]
-        source = backup.resume_source(directory, run=self.run_id, tasks=self.replica_tasks)
-        step = backup.agree_on_resume(model, source, run=self.run_id, task=self.task, include_start=True)
-        schedule = schedules.schedule_of(optimizer)
-        if schedule is None:
-            optimizer.learning_rate = rate
-        else:  # Traced into the step: the step functions are traced again with the new one.
-            if self._schedule is None:
-                self._schedule = schedule
-            optimizer.learning_rate = schedules.Scaled.halving(schedule)
-            model.train_function = model.test_function = None
-        print(f"{self.task} {error} Rolled back to step {step}; learning rate halved to "
-              f"{float(keras.ops.convert_to_numpy(optimizer.learning_rate)):.3g}.", flush=True)
-        return step
 
     # Outputs and the end.
 
@@ -465,6 +307,7 @@ class Run:
         return self
 
     def __exit__(self, kind, error, traceback):
+        self._crashed = error is not None  # No clean end at exit either (`ending.take_uncaught`).
         if error is None:
             self.end()
             if self._fitted and self.exit_codes and phases.is_multi_worker(self.strategy):

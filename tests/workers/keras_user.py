@@ -5,6 +5,7 @@ saw into `--out` (weights, losses, evaluate, predict) for the tests to compare.
 """
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -39,6 +40,10 @@ def parse_args():
     parser.add_argument("--slow_train_end_seconds", type=float, default=0,
                         help="the chief takes this long to end fit, as one writing a large "
                              "model does")
+    parser.add_argument("--fit_in_scope", action="store_true", help="fit inside strategy.scope(), as many "
+                        "Keras scripts do")
+    parser.add_argument("--hang_seconds", type=float, default=0,
+                        help="dump every thread's stack and exit after this long (a hang's evidence)")
     return parser.parse_args()
 
 
@@ -88,6 +93,9 @@ def make_data():
 
 def main():
     args = parse_args()
+    if args.hang_seconds:
+        import faulthandler  # pylint: disable=import-outside-toplevel
+        faulthandler.dump_traceback_later(args.hang_seconds, exit=True)
     strategy = distrib_tf.make_strategy(timeout_seconds=args.collective_timeout)
     if args.without_fix:
         from distrib_tf.keras import compat  # pylint: disable=import-outside-toplevel
@@ -197,7 +205,8 @@ def main():
                                         save_weights_only=True),
         keras.callbacks.TensorBoard(os.path.join(shared, "logs")),
     ]
-    history = model.fit(dataset, validation_data=dataset, epochs=args.epochs, callbacks=callbacks, verbose=0)
+    with strategy.scope() if args.fit_in_scope else contextlib.nullcontext():
+        history = model.fit(dataset, validation_data=dataset, epochs=args.epochs, callbacks=callbacks, verbose=0)
     evaluation = model.evaluate(dataset, return_dict=True, verbose=0)
     predictions = model.predict(tf.data.Dataset.from_tensor_slices(x[:10]).batch(4), verbose=0)
     for thread in threading.enumerate():  # Iterators fit and evaluate let go of, still being released.

@@ -36,6 +36,8 @@ def _hook(owner, name, call_number, *, after=False):
     original, calls = getattr(owner, name), [0]
 
     def hooked(*args, **kwargs):
+        if isinstance(owner, type) and type(args[0]) is not owner:  # Not a subclass's (the run's own lists).
+            return original(*args, **kwargs)
         calls[0] += 1
         if calls[0] == call_number and not after:
             _preempt_here()

@@ -1,0 +1,160 @@
+"""What the user sees of a `fit` that distrib_tf resumed: one training, and nothing of ours.
+
+- `HideOwnLogs`: distrib_tf's callbacks add figures to the logs (`epoch_seconds`,
+  `examples_per_second`, `step_seconds_<task>`) and its NaN check logs
+  `nonfinite_replicas`; they go to `summary.json`, events and distrib_tf's TensorBoard,
+  never into the user's History, callbacks and progress bar.
+- `Segments`: a stage resumed inside an epoch is two Keras `fit` calls (that epoch's
+  remaining steps, then the rest); the user's callbacks see one training, their state
+  restored (`callback_states`).
+- `StageProgbar`: one progress bar with the stage's epoch numbers and steps, the resumed
+  epoch counted from the step it resumed at.
+
+A callback's state survives a restart when it has a pair of methods, `get_state()`
+(returning a JSON-able dict) and `set_state(state)`; Keras's stateful callbacks
+(`EarlyStopping`, `ReduceLROnPlateau`, `ModelCheckpoint(save_best_only=True)`) have theirs
+here. The state is what the callback holds after the step the backup is of.
+
+Example:
+
+    >>> class Counter(keras.callbacks.Callback):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.batches = 0
+    ...     def on_train_batch_end(self, batch, logs=None):
+    ...         self.batches += 1
+    ...     def get_state(self):
+    ...         return {"batches": self.batches}
+    ...     def set_state(self, state):
+    ...         self.batches = state["batches"]
+"""
+
+import math
+
+import keras
+
+OWN_KEYS = ("epoch_seconds", "examples_per_second")
+OWN_PREFIXES = ("step_seconds_",)
+OWN_METRIC = "nonfinite_replicas"
+
+# Keras's stateful callbacks: the attributes that carry one epoch's decision to the next.
+KERAS_STATES = (
+    (keras.callbacks.EarlyStopping, ("wait", "stopped_epoch", "best", "best_epoch")),
+    (keras.callbacks.ReduceLROnPlateau, ("wait", "best", "cooldown_counter")),
+    (keras.callbacks.ModelCheckpoint, ("best",)),
+)
+
+
+def is_own_log(key: str) -> bool:
+    """Whether an epoch's or a step's log `key` is distrib_tf's, not the user's model's."""
+    key = key[len("val_"):] if key.startswith("val_") else key
+    return key in OWN_KEYS or key.startswith(OWN_PREFIXES) or key == OWN_METRIC or key.endswith("_" + OWN_METRIC)
+
+
+def users_logs(logs) -> dict:
+    """`logs` without distrib_tf's figures, as floats."""
+    return {k: float(v) for k, v in (logs or {}).items() if not is_own_log(k)}
+
+
+class HideOwnLogs(keras.callbacks.Callback):
+    """Takes distrib_tf's figures out of the logs, after distrib_tf's callbacks and before
+    the user's (and Keras's History and progress bar). `epochs` keeps every epoch's whole
+    logs (`summary.json`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.epochs: list[dict] = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append({"epoch": epoch + 1, **{k: float(v) for k, v in (logs or {}).items()}})
+        self._hide(logs)
+
+    @staticmethod
+    def _hide(logs):
+        for key in [k for k in (logs or {}) if is_own_log(k)]:
+            del logs[key]
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._hide(logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._hide(logs)
+
+    def on_test_end(self, logs=None):
+        self._hide(logs)
+
+    def on_train_end(self, logs=None):
+        self._hide(logs)
+
+
+def _float(value):
+    value = float(value)
+    return value if math.isfinite(value) else repr(value)  # JSON has no inf: "inf", "-inf".
+
+
+def callback_states(callbacks) -> list:
+    """Each callback's `[class name, state]` (`get_state()`, or Keras's own attributes; a
+    state `None` where it has none): what a backup holds."""
+    states = []
+    for callback in callbacks:
+        if hasattr(callback, "get_state") and hasattr(callback, "set_state"):
+            state = callback.get_state()
+        else:
+            names = next((names for kind, names in KERAS_STATES if isinstance(callback, kind)), ())
+            state = {n: _float(getattr(callback, n)) for n in names if getattr(callback, n, None) is not None} or None
+        states.append([type(callback).__name__, state])
+    return states
+
+
+def set_callback_states(callbacks, states) -> None:
+    """Gives each callback the state `callback_states` recorded, in order, for as long as
+    the callbacks' classes match those recorded (a list that changed keeps the rest fresh)."""
+    for callback, (name, state) in zip(callbacks, states or ()):
+        if type(callback).__name__ != name:
+            return
+        if state is None:
+            continue
+        if hasattr(callback, "set_state") and hasattr(callback, "get_state"):
+            callback.set_state(state)
+            continue
+        for attribute, value in state.items():
+            setattr(callback, attribute, float(value) if isinstance(value, str) else value)
+
+
+class Segments(keras.callbacks.CallbackList):
+    """The user's callbacks across the `fit` calls that make one stage (a resumed partial
+    epoch, then the rest; a rollback): `on_train_begin` before the first, then the state
+    they held at the step resumed (`states`), `on_train_end` after the last."""
+
+    def __init__(self, callbacks, model, states=None):
+        super().__init__(list(callbacks), add_history=False, add_progbar=False, model=model)
+        self.first, self.last, self.states = True, False, states
+
+    def on_train_begin(self, logs=None):
+        if self.first:
+            self.first = False
+            super().on_train_begin(logs)
+            set_callback_states(self.callbacks, self.states)
+
+    def on_train_end(self, logs=None):
+        if self.last:
+            super().on_train_end(logs)
+
+
+class StageProgbar(keras.callbacks.ProgbarLogger):
+    """Keras's progress bar over a stage's epochs and steps, whichever `fit` call of the
+    stage runs: "Epoch 2/3" and "9/14" in a stage resumed at step 8 of its second epoch."""
+
+    def __init__(self, epochs: int, steps: int):
+        super().__init__()
+        self.stage_epochs, self.stage_steps, self.skipped = epochs, steps, 0
+
+    def set_params(self, params):
+        super().set_params({**params, "epochs": self.stage_epochs, "steps": self.stage_steps})
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch + self.skipped, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        self.skipped = 0

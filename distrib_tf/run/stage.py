@@ -1,0 +1,193 @@
+"""A stage of a run: one `fit` call, resumed where its backups agree, to its last epoch.
+
+Every worker agrees on the step to resume from (`distrib_tf.keras.backup`); a stage resumed
+inside an epoch trains that epoch's remaining steps, then goes on by epochs; a NaN rolls
+back to the last common backup with half the learning rate (`on_nan="rollback"`). The
+guarantees come as callbacks, in their order: distrib_tf's, then `HideOwnLogs`, then the
+user's, which see one training (`user_view.Segments`).
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+import keras
+
+from distrib_tf.data import examples as examples_lib
+from distrib_tf.keras import backup
+from distrib_tf.keras import callbacks as callbacks_lib
+from distrib_tf.keras import local_sgd
+from distrib_tf.keras import nonfinite
+from distrib_tf.keras import preemption
+from distrib_tf.keras import progress
+from distrib_tf.keras import user_view
+from distrib_tf.run import export
+from distrib_tf.run import schedules
+
+
+def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_steps, global_batch_size,
+               offset, shuffle, callbacks, verbose, validation_freq):
+    options = run.options
+    run_id = options.run_id or identity(run, model, train, global_batch_size, steps)
+    if stage or offset:
+        run_id = f"{run_id}-fit{stage}" + (f"-from{offset}" if offset else "")
+    run.run_id = run_id
+    backup_dir = run.backup_dir if not stage else os.path.join(
+        run.model_dir, "backup", f"fit{stage}", backup.task_dirname(run.task))
+    with preemption.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.
+        backup.make_private_dirs(run.model_dir, tighten=True)  # Every worker's: its backups live there.
+        grace = float(os.environ.get(preemption.GRACE_ENV) or 60)
+        run._held.append(backup.hold(backup_dir, wait_seconds=2 * grace))  # A task's old process ends first.
+        if run.fresh_start and (held := backup.list_backups(backup_dir)):
+            print(f"{run.task} starts at step 0 (fresh_start): deleting its backups of steps "
+                  f"{[b['step'] for b in held]} in {backup_dir}", flush=True)
+            backup.remove_backups(backup_dir)
+            run._held.append(backup.hold(backup_dir, wait_seconds=2 * grace))
+        source = (backup_dir if run.fresh_start else
+                  backup.resume_source(backup_dir, run=run_id, tasks=run.replica_tasks))
+        run._stages.append((backup_dir, source, run_id))
+        resumed = backup.agree_on_resume(model, source, run=run_id, task=run.task)
+    start_step = offset + resumed
+    if resumed:
+        moved = ("" if source == backup_dir else " (a task this layout does not have)") if (
+            backup.list_backups(source)) else " (none here: the state came from a worker that holds it)"
+        print(f"{run.task} resumes at step {start_step} (epoch {start_step // steps + 1}, "
+              f"step {start_step % steps} of it) from {source}{moved}", flush=True)
+        if isinstance(train, (examples_lib.DatasetFn, examples_lib.Batches)):
+            print(f"{run.task} skips the first {start_step} batches of {train.name}: the same batches as "
+                  "before only if it is deterministic (a seeded shuffle is)", flush=True)
+    run.resumed_at_step = start_step
+    meta = backup.read_meta(source, resumed) if resumed else {}
+    users = user_view.Segments(callbacks or (), model, states=meta.get("callbacks"))
+    worker_backup = backup.WorkerBackup(
+        backup_dir, run=run_id, task=run.task, steps_per_epoch=steps, every_steps=options.backup_every_steps,
+        history=[h for h in meta.get("history", []) if h["epoch"] * steps <= start_step],
+        callbacks=users.callbacks, epoch_metrics=meta.get("metrics"))
+    timer = callbacks_lib.EpochTimer(steps * global_batch_size)
+    every = options.sync_every()
+    name, rate, momentum = options.outer()
+    periodic = [] if every is None else [local_sgd.PeriodicSync(
+        run.strategy, every or steps, outer=name, outer_learning_rate=rate, outer_momentum=momentum)]
+    hide = user_view.HideOwnLogs()
+    progbar = user_view.StageProgbar(epochs, steps)
+    ours = [
+        timer, *periodic,
+        nonfinite.StopOnNonFinite(workers=list(run.replica_tasks), steps_per_epoch=steps),  # Before any other.
+        progress.Progress(task=run.task, workers=list(run.replica_tasks), epochs=epochs,
+                          steps_per_epoch=steps, global_batch_size=global_batch_size),
+        callbacks_lib.ChiefCheckpoint(run.model_dir, run_id),
+        keras.callbacks.TensorBoard(os.path.join(run.model_dir, "logs"), write_graph=False),
+    ]
+    if not run.is_chief:
+        ours.append(callbacks_lib.EpochLine(run.task, epochs))
+    # The user's see each step after the NaN check and before its backup, which so holds their state.
+    every_callback = [*ours, hide, users, worker_backup, preemption.SaveOnPreemption(worker_backup), progbar]
+    if verbose == "auto":
+        verbose = (1 if sys.stdout.isatty() else 2) if run.is_chief else 0
+    validation = None if validation_data is None else run.distribute(  # Keras reads it every epoch.
+        validation_data, global_batch_size=global_batch_size,
+        one_pass=isinstance(validation_data, examples_lib.Batches))
+    history, rollbacks = {}, []
+    step, last_step = start_step, epochs * steps
+    model.stop_training = bool(meta.get("stopped"))  # A callback ended the stage there (EarlyStopping).
+    while step < last_step and not model.stop_training:
+        epoch, done = divmod(step, steps)
+        until = epoch + 1 if done else epochs  # A partial epoch alone, then the rest.
+        users.last, progbar.skipped = until == epochs, done
+        try:
+            fitted = model.fit(
+                run.distribute(train, global_batch_size=global_batch_size, start_step=step, shuffle=shuffle,
+                                one_pass=False),
+                initial_epoch=epoch, epochs=until, steps_per_epoch=steps - done,
+                validation_data=validation, validation_steps=val_steps, validation_freq=validation_freq,
+                callbacks=every_callback, verbose=verbose, shuffle=False,  # The pipeline shuffles.
+            )
+        except nonfinite.NonFiniteLoss as e:
+            if isinstance(train, examples_lib.Examples):
+                nonfinite.name_input_culprits(e, run.strategy, run.replica_tasks, run.distribute(
+                    train, global_batch_size=global_batch_size, start_step=e.step - 1, shuffle=shuffle,
+                    one_pass=False))
+            if options.on_nan == "stop" or len(rollbacks) == options.max_rollbacks:
+                run.step = e.step
+                raise
+            step = offset + roll_back(run, model, e)
+            rollbacks.append({"at_step": e.step, "to_step": step,
+                              "learning_rate": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))})
+            worker_backup.saved_step = None
+            worker_backup.history = [h for h in worker_backup.history if h["epoch"] * steps <= step]
+            continue
+        step = (fitted.epoch[-1] + 1) * steps if fitted.epoch else until * steps
+        if model.stop_training and not users.last:  # Stopped by a callback in a partial epoch.
+            users.last = True
+            users.on_train_end()
+    run.step = step
+    for record in worker_backup.history:
+        for key, value in record.items():
+            if key != "epoch":
+                history.setdefault(key, []).append(value)
+    epochs_done = [record["epoch"] - 1 for record in worker_backup.history]
+    run.summary.update({
+        "run_id": run_id,
+        "strategy": run.strategy_name,
+        "workers": run.workers,
+        "replicas": run.strategy.num_replicas_in_sync,
+        "resumed_at_step": start_step,
+        "rollbacks": rollbacks,
+        "epochs": _every_epoch(worker_backup.history, hide.epochs),
+        "examples_per_second": timer.steady_rate(),
+        "first_step_unix_time": timer.first_step_at,
+        "epoch_end_unix_times": timer.ended_at, "epoch_step_seconds": timer.seconds,
+        "weights_sha256": export.weights_fingerprint(model),
+        "periodic_sync": {"syncs": periodic[0].syncs, "bytes_per_worker": periodic[0].bytes_per_worker}
+        if periodic else None,
+    })
+    if stage:
+        run.summary.setdefault("stages", []).append({k: run.summary[k] for k in ("run_id", "resumed_at_step",
+                                                                                   "epochs", "rollbacks")})
+    result = keras.callbacks.History()
+    result.set_model(model)
+    result.history, result.epoch = history, epochs_done
+    result.params = {"epochs": epochs, "steps": steps, "verbose": verbose}
+    model.history = result
+    return result
+
+def identity(run, model, train, global_batch_size: int, steps: int) -> str:
+    """What a backup must match to be resumed: whatever changes the arithmetic."""
+    config = model.optimizer.get_config()
+    config.pop("name", None)
+    described = {
+        "variables": [(v.path, tuple(v.shape), str(v.dtype)) for v in model.variables],
+        "optimizer": [type(model.optimizer).__name__, config],
+        "data": getattr(train, "fingerprint", "") or train.name, "global_batch_size": global_batch_size,
+        "steps_per_epoch": steps, "seed": run.options.seed, "sync": run.options.sync,
+        "outer": run.options.outer(), "allreduce_dtype": run.options.allreduce_dtype,
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+def roll_back(run, model, error) -> int:
+    """Restores the last backup every worker holds and halves the learning rate."""
+    optimizer = model.optimizer
+    rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate)) / 2  # Before the backup restores it.
+    directory = run._stages[-1][0]
+    source = backup.resume_source(directory, run=run.run_id, tasks=run.replica_tasks)
+    step = backup.agree_on_resume(model, source, run=run.run_id, task=run.task, include_start=True)
+    schedule = schedules.schedule_of(optimizer)
+    if schedule is None:
+        optimizer.learning_rate = rate
+    else:  # Traced into the step: the step functions are traced again with the new one.
+        if run._schedule is None:
+            run._schedule = schedule
+        optimizer.learning_rate = schedules.Scaled.halving(schedule)
+        model.train_function = model.test_function = None
+    print(f"{run.task} {error} Rolled back to step {step}; learning rate halved to "
+          f"{float(keras.ops.convert_to_numpy(optimizer.learning_rate)):.3g}.", flush=True)
+    return step
+
+
+
+def _every_epoch(history: list, measured: list) -> list:
+    """`summary.json`'s epochs: every epoch of the stage (the user's logs, kept in the backups
+    across restarts), with distrib_tf's figures for those this process trained."""
+    ours = {record["epoch"]: record for record in measured}
+    return [{**ours.get(record["epoch"], {}), **record} for record in history]

@@ -1,0 +1,177 @@
+"""Keras's own `model.fit` under a live `distrib_tf.Run`: Keras's arguments and History,
+several stages each resumed at its step, stateful callbacks that carry on after a restart
+(tests/workers/keras_stages.py, one process, two replicas, a Dropout)."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import distrib_tf
+from cluster_runner import QUIET_TF
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+SCRIPT = os.path.join(ROOT, "tests", "workers", "keras_stages.py")
+ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
+
+
+@pytest.fixture(autouse=True)
+def _sigterm_as_it_was():
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _plain_and_run(tmp_path, fit):
+    """The same Keras lines, `fit(model)`, without distrib_tf and under a live Run."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 5)).astype("float32")
+    y = x[:, :3].argmax(axis=1)  # Learnable: the loss falls.
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dropout(0.5), keras.layers.Dense(3)])
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model
+
+    plain = build()
+    results = [fit(plain, x, y), plain.evaluate(x, y, return_dict=True, verbose=0)]
+    run = distrib_tf.Run(tmp_path / "run", exit_codes=False)
+    try:
+        model = build()
+        assert model.distribute_strategy is run.strategy  # Built under it without a scope of its own.
+        results += [fit(model, x, y), model.evaluate(x, y, return_dict=True, verbose=0)]
+    finally:
+        run.end()
+    return results
+
+
+@pytest.mark.parametrize("fit", [
+    lambda m, x, y: m.fit(x, y, batch_size=20, epochs=2, validation_split=0.2, verbose=0),
+    lambda m, x, y: m.fit(x, y, batch_size=20, epochs=2, validation_data=(x[:40], y[:40]),
+                          sample_weight=np.linspace(0.5, 1.5, len(y)), verbose=0),
+    lambda m, x, y: m.fit(x, y, batch_size=20, epochs=2, class_weight={0: 1.0, 1: 2.0, 2: 0.5}, verbose=0),
+], ids=["validation_split", "validation_data_and_sample_weight", "class_weight"])
+def test_model_fit_takes_keras_arguments_and_gives_plain_keras_history(tmp_path, fit):
+    plain_history, plain_evaluate, history, evaluate = _plain_and_run(tmp_path, fit)
+    assert sorted(history.history) == sorted(plain_history.history), history.history  # Nothing of ours.
+    assert history.epoch == plain_history.epoch == [0, 1]
+    assert sorted(evaluate) == sorted(plain_evaluate) == ["accuracy", "loss"]
+    assert history.history["loss"][1] < history.history["loss"][0]  # It trains.
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert "examples_per_second" in summary["epochs"][0] and "nonfinite_replicas" in summary["epochs"][0]
+
+
+def test_a_dataset_without_a_length_needs_steps_and_a_bad_argument_is_one_line(tmp_path):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    run = distrib_tf.Run(tmp_path / "run", exit_codes=False)
+    try:
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        endless = tf.data.Dataset.from_tensor_slices((np.ones((8, 2)), np.ones(8))).batch(4).repeat()
+        with pytest.raises(distrib_tf.run.InvalidRun, match=r"Invalid value for argument `x`.*`steps_per_epoch`"):
+            model.fit(endless, epochs=1)
+        assert model.fit(endless, epochs=1, steps_per_epoch=2, verbose=0).epoch == [0]
+        with pytest.raises(distrib_tf.run.InvalidRun, match=r"Invalid value for argument `validation_split`"):
+            model.fit(np.ones((8, 2)), np.ones(8), validation_split=1.5)
+    finally:
+        run.end()
+
+
+def test_a_bad_run_argument_exits_2_with_one_line(tmp_path):
+    script = f"import distrib_tf\nrun = distrib_tf.Run({str(tmp_path / 'run')!r}, on_nan='skip')\n"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert [line for line in result.stderr.splitlines() if "error:" in line] == [
+        "python: error: Invalid value for argument `on_nan`. Received: on_nan='skip'. Expected one of stop, "
+        "rollback."], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
+def _script(model_dir, *args):
+    result = subprocess.run([sys.executable, SCRIPT, str(model_dir), *map(str, args)], capture_output=True,
+                            text=True, timeout=240, env=ENV)
+    text = result.stdout + result.stderr
+    found = re.search(r"^RESULT (\{.*\})$", result.stdout, re.M)
+    return result.returncode, text, json.loads(found.group(1)) if found else None
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    code, text, result = _script(tmp_path_factory.mktemp("uninterrupted") / "run")
+    assert code == 0, text[-3000:]
+    return result
+
+
+@pytest.mark.parametrize("stage, step", [(0, 11), (1, 8)])  # Inside the 2nd epoch of each stage.
+def test_a_stage_preempted_resumes_at_its_step_and_the_script_ends_bit_identical(tmp_path, uninterrupted,
+                                                                                  stage, step):
+    """Fit the head on a tf.data.Dataset (2 replicas), unfreeze, recompile, fine-tune on arrays:
+    a SIGTERM in either stage exits 75; the restart returns the finished stage at once and
+    resumes the interrupted one at its step; the weights are the uninterrupted run's, bit for bit."""
+    code, text, _ = _script(tmp_path / "run", f"--sigterm_at_step={step}", f"--sigterm_stage={stage}")
+    assert code == 75, text[-3000:]
+    assert f"chief:0 preempted: backed up step {step}" in text, text[-3000:]
+    code, text, resumed = _script(tmp_path / "run")
+    assert code == 0, text[-3000:]
+    assert f"chief:0 resumes at step {step} (epoch 2, step {step - (8 if stage == 0 else 6)} of it)" in text, (
+        text[-3000:])
+    if stage == 0:
+        assert "skips the first 11 batches of a tf.data.Dataset" in text, text[-3000:]
+    else:  # The head's stage came back finished, with its History, without training.
+        assert resumed["histories"][0] == uninterrupted["histories"][0]
+    assert resumed["weights"] == uninterrupted["weights"], (resumed, uninterrupted)
+    for mine, theirs in zip(resumed["histories"], uninterrupted["histories"]):
+        assert sorted(mine) == sorted(theirs) and len(mine["loss"]) == len(theirs["loss"])
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6)  # The resumed epoch over all its steps.
+    # The user's callback: one training though two Keras fits ran; none in a stage that came back finished.
+    assert resumed["train_begins"] == (1 if stage == 0 else 0)
+    assert not (tmp_path / "run" / "backup").exists()
+
+
+def test_early_stopping_preempted_between_its_epochs_stops_where_the_uninterrupted_run_does(tmp_path):
+    """EarlyStopping(patience=2) set wait=1 at the end of epoch 2; a SIGTERM inside epoch 3:
+    the restart goes on from its state and stops after epoch 3, as the run never interrupted."""
+    code, text, plain = _script(tmp_path / "plain", "--early_stopping")
+    assert code == 0 and plain["epochs_trained"] == [1, 2, 3], text[-3000:]
+    code, text, _ = _script(tmp_path / "run", "--early_stopping", "--sigterm_at_step=19")  # Epoch 3, step 3.
+    assert code == 75, text[-3000:]
+    code, text, resumed = _script(tmp_path / "run", "--early_stopping")
+    assert code == 0, text[-3000:]
+    assert resumed["epochs_trained"] == [3], resumed  # Not 3 and 4: its wait carried on.
+    assert len(resumed["histories"][0]["loss"]) == 3 and resumed["weights"] == plain["weights"]
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_trains_and_a_loss_scale_overflow_is_no_nan_stop(tmp_path, policy):
+    """Under `mixed_float16` a loss scale of 2**40 overflows the first steps' gradients: Keras's
+    LossScaleOptimizer skips them and lowers the scale, which the run takes for no NaN stop."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(128, 4)).astype("float32"), rng.normal(size=(128, 1)).astype("float32")
+    keras.mixed_precision.set_global_policy(policy)
+    run = distrib_tf.Run(tmp_path / "run", exit_codes=False)
+    try:
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(1, dtype="float32")])
+        optimizer = keras.optimizers.SGD(0.01)
+        if policy == "mixed_float16":
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=2.0 ** 40)
+        model.compile(optimizer=optimizer, loss="mse")
+        history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    finally:
+        run.end()
+        keras.mixed_precision.set_global_policy("float32")
+    assert model.layers[0].compute_dtype == policy.split("_")[1]
+    assert history.epoch == [0, 1] and np.isfinite(history.history["loss"]).all()
+    if policy == "mixed_float16":
+        assert float(optimizer.dynamic_scale.numpy()) < 2.0 ** 40  # Overflowing steps were skipped.
+        assert int(optimizer.iterations.numpy()) == 16  # Counted all the same (every layout alike).
