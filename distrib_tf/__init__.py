@@ -6,8 +6,8 @@ the launcher start without it.
 Example:
 
     >>> import distrib_tf
-    >>> with distrib_tf.Run("runs/mine") as run:  # Reads TF_CONFIG when it is set.
-    ...     ...  # Build and compile under run.strategy.scope(); then run.fit(model, data, ...).
+    >>> run = distrib_tf.Run("runs/mine")  # Reads TF_CONFIG when it is set.
+    >>> ...  # The Keras script as it is: its model.fit(...) gets every guarantee.
 """
 
 import importlib

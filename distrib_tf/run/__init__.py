@@ -1,7 +1,10 @@
-"""The run API: every guarantee of distrib_tf for a user's own compiled Keras model and data.
+"""The run API: every guarantee of distrib_tf for a user's own Keras script, as Keras writes it.
 
-- `run`: `Run`, the strategy, the resume loop (agreed step, partial epoch, rollback), the
-  guarantees' callbacks in their order, chief outputs, the clean end;
+- `run`: `Run`, the strategy, Keras `fit`'s arguments, chief outputs, the clean end;
+- `routing`: a script's own `model.fit(...)` goes through the live `Run`;
+- `inputs`: `fit`'s data arguments (arrays, weights, `validation_split`, datasets) as sources;
+- `stage`: one `fit` call, resumed at its agreed step (partial epoch, rollback), the
+  guarantees' callbacks in their order;
 - `options`: `RunOptions`, checked at construction; `checks`: `fit`'s arguments, checked first;
 - `ending`: the exit codes a scheduler reads (2, 65, 75) and leaving together;
 - `export`: `model.keras` and a SavedModel, loadable without distrib_tf;

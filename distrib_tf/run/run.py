@@ -1,23 +1,24 @@
-"""`Run`: every guarantee of distrib_tf for a user's own compiled Keras model and data.
+"""`Run`: every guarantee of distrib_tf for a user's own Keras script, as Keras writes it.
 
-A run owns the strategy and the training loop; the script stays an ordinary Keras script
-(its own model, optimizer, schedule, loss, metrics and callbacks):
+Two lines at the top of a Keras script; the rest stays as it is (its own model, optimizer,
+schedule, loss, metrics, callbacks, data and `fit` calls):
 
-    with distrib_tf.Run("runs/mine", seed=0, backup_every_steps=100, on_nan="rollback") as run:
-        with run.strategy.scope():
-            model = build_my_model()
-            model.compile(optimizer=keras.optimizers.AdamW(schedule), loss="mse")
-        train = distrib_tf.data.from_arrays({"image": x, "meta": m}, y)
-        history = run.fit(model, train, epochs=5, global_batch_size=256)
-        run.save(model)
+    import distrib_tf
+    run = distrib_tf.Run("runs/mine", backup_every_steps=100, on_nan="rollback")
+    model = build_my_model()  # Built under the run's strategy, its default from now on.
+    model.compile(optimizer=keras.optimizers.AdamW(schedule), loss="mse")
+    history = model.fit(x, y, batch_size=256, epochs=5, validation_split=0.1)  # run.fit(model, ...)
 
 What `fit` adds to Keras's own, on one device, several GPUs or several workers:
 
 - every worker backs up to its own disk (`model_dir/backup/<task>/`, at epoch ends and
-  every `backup_every_steps`), and a restarted run resumes at the step every worker
-  agrees on, mid-epoch included, on the same batches (`distrib_tf.keras.backup`,
-  `distrib_tf.data.examples`): the final weights are those of a run never interrupted;
-- SIGTERM in any phase: every worker backs up one agreed step and the run exits 75;
+  every `backup_every_steps`): weights, optimizer slots, every `SeedGenerator`, the
+  epoch's metric sums, the user's callbacks' state and History; a restarted run resumes
+  at the step every worker agrees on, mid-epoch included, on the same batches
+  (`distrib_tf.keras.backup`, `distrib_tf.data.examples`): the final weights are those
+  of a run never interrupted, and so is what the user's objects hold;
+- SIGTERM during `fit` or the outputs: every worker backs up one agreed step and the run
+  exits 75; elsewhere in the script SIGTERM keeps its default meaning;
 - a NaN or Inf stops every worker at one step, the culprit named (exit 65), or with
   `on_nan="rollback"` restores the last common backup and halves the learning rate (a
   `LearningRateSchedule` too);
@@ -25,14 +26,17 @@ What `fit` adds to Keras's own, on one device, several GPUs or several workers:
 - progress events (the launcher's status line, notebooks, sweeps), chief-only
   checkpoints, TensorBoard logs and `summary.json`, and a clean end at a barrier.
 
-The `with` block is the entry point a scheduler reads: leaving it by `Preempted` exits 75,
-by `NonFiniteLoss` 65, by a bad input or an impossible resume 2, each with one line
-(`distrib_tf.run.ending`); leaving it normally writes `summary.json`, deletes the backups
-once every worker's outputs are written, and, under several workers, ends the process
-(code 0) with every worker together. In Jupyter (no exit codes wanted) pass
-`exit_codes=False`: the errors are raised as they are.
-"""
+Each `fit` call is a stage (`distrib_tf.run.stage`): a restart returns a finished stage
+at once, with its History and final state, and resumes the interrupted one.
 
+The exit codes a scheduler reads: leaving by `Preempted` exits 75, by `NonFiniteLoss` 65,
+by a bad input or an impossible resume 2, each with one line (`distrib_tf.run.ending`),
+from the `with` block or, without one, from the uncaught error; leaving normally (the
+block, or the script's end) writes `summary.json`, deletes the backups once every
+worker's outputs are written, and, under several workers, ends the process (code 0) with
+every worker together. In Jupyter (no exit codes wanted) pass `exit_codes=False` and call
+`run.end()`: the errors are raised as they are.
+"""
 import os
 import sys
 
@@ -68,7 +72,10 @@ class Run:
     """A training run of a user's own Keras model, with every guarantee of distrib_tf.
 
     Make it first, before any other TensorFlow call: it builds the strategy
-    (`distrib_tf.make_strategy`, which reads `TF_CONFIG`), seeds Keras, and takes SIGTERM.
+    (`distrib_tf.make_strategy`, which reads `TF_CONFIG`) and makes it the default one
+    until the run ends (so the script's models are built under it), seeds Keras, takes
+    SIGTERM, and sends the `model.fit` of those models through `Run.fit`
+    (`distrib_tf.run.routing`).
 
     Args:
         model_dir: where the run writes: `backup/<task>/` on every worker's own disk;
@@ -89,16 +96,16 @@ class Run:
             `cpu_replicas`, `timeout_seconds`).
         fresh_start: start at step 0 even beside backups of this run (each worker deletes
             its own, and says so); by default a run always resumes from them, on any layout.
-        exit_codes: leave the `with` block by the exit codes of `distrib_tf.run.ending`
-            (default: yes, but not in Jupyter).
+        exit_codes: leave by the exit codes of `distrib_tf.run.ending`, from the `with`
+            block or an uncaught error, and end the run with the script (default: yes,
+            but not in Jupyter, where `run.end()` ends it).
 
     Example:
 
         >>> run = Run("/tmp/mine", seed=0)
-        >>> with run.strategy.scope():
-        ...     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
-        ...     model.compile(optimizer="sgd", loss="mse")
-        >>> history = run.fit(model, distrib_tf.data.from_arrays(x, y), epochs=2, global_batch_size=32)
+        >>> model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> history = model.fit(x, y, batch_size=32, epochs=2)  # Through run.fit: every guarantee.
     """
 
     def __init__(self, model_dir: str, *, seed: int = 0, backup_every_steps: int | None = None,
