@@ -58,7 +58,17 @@ def _example(cwd, script, *args, workers=2):
 
 
 @pytest.mark.multiworker
-@pytest.mark.parametrize("name", EXAMPLES_)
+def test_the_text_example_trains_inside_its_strategy_scope_on_two_workers(tmp_path):
+    """Its fit inside `with strategy.scope():` on 2 workers (it hung at the first epoch's end,
+    in the chief's checkpoint: compat fix 11); make soak preempts it too, below."""
+    code, text, results = _example(tmp_path, "text_transformer.py")
+    assert code == 0, text[-3000:]
+    assert results["worker:0"]["weights"] == results["worker:1"]["weights"], results
+    assert sorted(results["worker:0"]["history"]) == ["accuracy", "loss", "val_accuracy", "val_loss"]
+
+
+@pytest.mark.multiworker
+@pytest.mark.parametrize("name", ["mnist_convnet", pytest.param("text_transformer", marks=pytest.mark.slow)])
 def test_a_keras_io_script_preempted_inside_an_epoch_ends_on_the_uninterrupted_weights(tmp_path, name):
     steps, epochs, _ = EXAMPLES_[name]
     (tmp_path / "plain").mkdir()

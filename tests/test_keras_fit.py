@@ -97,6 +97,25 @@ def test_a_bad_run_argument_exits_2_with_one_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_sigterm_outside_fit_keeps_its_default_meaning(tmp_path):
+    """A script loading its data (before any fit) is ended by SIGTERM, as without distrib_tf:
+    not caught and ignored until a SIGKILL."""
+    script = (f"import time, distrib_tf\nrun = distrib_tf.Run({str(tmp_path / 'run')!r})\n"
+              "print('loading', flush=True)\ntime.sleep(120)\n")
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=ENV) as proc:
+        try:
+            for line in proc.stdout:
+                if line.strip() == "loading":
+                    break
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == -signal.SIGTERM
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def _script(model_dir, *args):
     result = subprocess.run([sys.executable, SCRIPT, str(model_dir), *map(str, args)], capture_output=True,
                             text=True, timeout=240, env=ENV)
@@ -112,7 +131,8 @@ def uninterrupted(tmp_path_factory):
     return result
 
 
-@pytest.mark.parametrize("stage, step", [(0, 11), (1, 8)])  # Inside the 2nd epoch of each stage.
+@pytest.mark.parametrize("stage, step", [  # Inside the 2nd epoch of each stage; make soak runs the first.
+    pytest.param(0, 11, marks=pytest.mark.slow), (1, 8)])
 def test_a_stage_preempted_resumes_at_its_step_and_the_script_ends_bit_identical(tmp_path, uninterrupted,
                                                                                   stage, step):
     """Fit the head on a tf.data.Dataset (2 replicas), unfreeze, recompile, fine-tune on arrays:

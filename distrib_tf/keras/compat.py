@@ -437,7 +437,7 @@ def _skipset_outside_scopes(original, obj_type):
         return original(obj_type)
     from keras.src.backend.common import global_state  # pylint: disable=import-outside-toplevel
 
-    key = f"saving_attr_skipset_{obj_type}"  # Keras's cache, per thread like its global state.
+    key = f"distrib_tf_saving_skipset_{obj_type}"  # In Keras's global state, per thread like its own cache.
     cached = global_state.get_global_attribute(key)
     if cached is not None:
         return cached
