@@ -51,6 +51,7 @@ def uninterrupted(tmp_path_factory):
     assert code == 0, text[-3000:]
     weights = _fingerprints(text)
     assert sorted(weights) == ["worker:0", "worker:1"] and len(set(weights.values())) == 1, text[-3000:]
+    assert "worker:0 after the run" in text and "worker:1 after the run" in text, text[-3000:]  # No os._exit.
     pytest.uninterrupted_dir = model_dir  # Its chief's last checkpoint, for the layout test.
     return weights["worker:0"]
 

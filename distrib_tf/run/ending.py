@@ -133,13 +133,13 @@ LEAVE_CHIEF_AFTER_SECONDS = 0.5
 
 
 def leave_together(strategy, is_chief: bool) -> None:
-    """Every training task done: the workers leave first, the chief (the coordination
-    service's host) last, so that no worker reports a coordination service that is gone.
-
-    After a barrier every task reaches only once its outputs are written, each leaves
-    without the interpreter's teardown (which would wait seconds for tf.data's threads,
-    and talk to the service while leaving): workers at once, the chief a moment later.
-    Returns (and the process ends the usual way) if a peer is gone.
+    """Every training task done: they meet at a barrier every task reaches only once its
+    outputs are written, then return, the chief (the coordination service's host) a moment
+    after the others, so that no worker reports a coordination service that is gone. The
+    script then goes on and ends as a Python program does: code after the `with` block,
+    `finally` clauses and `atexit` hooks run (measured: 1 to 4 s more than leaving without
+    the interpreter's teardown, for the 2-worker example; no error in its output).
+    Returns at once if a peer is gone.
     """
     from distrib_tf.keras import phases  # pylint: disable=import-outside-toplevel
 
@@ -147,8 +147,6 @@ def leave_together(strategy, is_chief: bool) -> None:
         phases.enter(strategy, "job_end", LEAVE_BARRIER_MS / 1000)
     except Exception:  # pylint: disable=broad-except  (a peer gone: leave the usual way)
         return
-    sys.stdout.flush()
-    sys.stderr.flush()
     if is_chief:
         time.sleep(LEAVE_CHIEF_AFTER_SECONDS)
-    os._exit(exit_codes.OK)
+    return

@@ -131,6 +131,7 @@ def main():
                            "evaluate": {k: float(v) for k, v in evaluated.items()},
                            "resumed_at_step": run.summary["resumed_at_step"],
                            "rollbacks": run.summary["rollbacks"]}, f)
+    print(f"{run.task} after the run", flush=True)  # Leaving the block returns, on every layout.
 
 
 if __name__ == "__main__":
