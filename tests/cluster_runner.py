@@ -131,3 +131,14 @@ def kill_left(procs) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def finished_backups(model_dir) -> dict:
+    """What a clean end leaves in `model_dir/backup/`: each task directory's backups as
+    `{dir: [(step, finished)]}` (one, marked finished, per task and `fit`)."""
+    found = {}
+    for meta in sorted(pathlib.Path(model_dir, "backup").glob("**/step-*.json")):
+        record = json.loads(meta.read_text())
+        found.setdefault(str(meta.parent.relative_to(pathlib.Path(model_dir, "backup"))), []).append(
+            (record["step"], bool(record.get("finished"))))
+    return found

@@ -189,3 +189,17 @@ def test_two_processes_of_one_task_never_hold_its_backups_at_once(tmp_path):
         old.kill()
         old.wait()
         old.stdout.close()
+
+
+def test_a_backup_another_worker_deleted_first_is_no_error(tmp_path, monkeypatch):
+    """Issue 42 item 2: workers that resumed from one gone task's backups all delete them at
+    their clean end; the one that came second got FileNotFoundError (exit 1, then a retry
+    from step 0)."""
+    for name in ("step-000000004.json", "step-000000004.weights.h5"):
+        (tmp_path / "worker-2" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "worker-2" / name).write_text("{}")
+    listed = backup.glob.glob
+    monkeypatch.setattr(backup.glob, "glob", lambda pattern: [*listed(pattern), str(tmp_path / "worker-2" /
+                                                                                  "step-000000008.json")])
+    backup.remove_backups(str(tmp_path / "worker-2"))  # The listed step 8 is gone already.
+    assert not (tmp_path / "worker-2").exists()

@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from cluster_runner import QUIET_TF
+from cluster_runner import finished_backups
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -83,7 +84,9 @@ def test_a_keras_io_script_preempted_inside_an_epoch_ends_on_the_uninterrupted_w
     history_keys = sorted(plain["single"]["history"])
     assert history_keys == ["accuracy", "loss", "val_accuracy", "val_loss"], history_keys
     assert sorted(uninterrupted["worker:0"]["history"]) == history_keys  # Nothing of distrib_tf's in it.
-    assert not (tmp_path / "uninterrupted" / "runs" / name / "backup").exists()  # A clean end.
+    last = epochs * steps  # A clean end: each worker keeps its last backup, marked finished.
+    assert finished_backups(tmp_path / "uninterrupted" / "runs" / name) == {
+        "worker-0": [(last, True)], "worker-1": [(last, True)]}
 
     step = random.Random().choice([s for s in range(steps + 2, 2 * steps - 1) if s % 5])  # Inside epoch 2.
     (tmp_path / "preempted").mkdir()

@@ -21,6 +21,7 @@ import pytest
 
 import netns
 from cluster_runner import QUIET_TF
+from cluster_runner import finished_backups
 from cluster_runner import kill_left
 from cluster_runner import latest_backup
 from cluster_runner import run_single
@@ -273,4 +274,5 @@ def test_a_chief_killed_while_it_writes_its_outputs_leaves_a_job_that_finishes(t
     for result in again:
         assert result.returncode == 0, (result.task, result.output[-3000:])
         assert f"{result.task} resumes at step 12 " in result.output
-    assert (model_dir / "summary.json").exists() and not (model_dir / "backup").exists()
+    assert (model_dir / "summary.json").exists()
+    assert finished_backups(model_dir) == {"worker-0": [(12, True)], "worker-1": [(12, True)]}

@@ -15,6 +15,7 @@ import pytest
 
 import distrib_tf
 from cluster_runner import QUIET_TF
+from cluster_runner import finished_backups
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 SCRIPT = os.path.join(ROOT, "tests", "workers", "keras_stages.py")
@@ -126,9 +127,26 @@ def _script(model_dir, *args):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    code, text, result = _script(tmp_path_factory.mktemp("uninterrupted") / "run")
+    model_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    code, text, result = _script(model_dir)
     assert code == 0, text[-3000:]
+    pytest.uninterrupted_dir = model_dir  # For the rerun test.
     return result
+
+
+def test_a_finished_script_run_again_returns_at_once_and_a_changed_one_starts_over(uninterrupted):
+    """Issue 41: a finished script run again trained again from scratch (with `with`) or
+    returned an empty History (without). Now each fit returns its History and final state
+    at once; a script whose training changed (here: arrays instead of the dataset) starts over."""
+    code, text, again = _script(pytest.uninterrupted_dir)
+    assert code == 0, text[-3000:]
+    assert "chief:0: fit 1 finished at step 16 before" in text and "chief:0: fit 2 finished at step 18 before" in text
+    assert again["epochs_trained"] == [] and again["train_begins"] == 0  # Nothing trained.
+    assert again["weights"] == uninterrupted["weights"] and again["histories"] == uninterrupted["histories"]
+    code, text, changed = _script(pytest.uninterrupted_dir, "--early_stopping")
+    assert code == 0, text[-3000:]
+    assert "chief:0 starts at step 0: its backup of step 16 in" in text and "another script" in text, text[-3000:]
+    assert changed["epochs_trained"] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("stage, step", [  # Inside the 2nd epoch of each stage; make soak runs the first.
@@ -155,7 +173,7 @@ def test_a_stage_preempted_resumes_at_its_step_and_the_script_ends_bit_identical
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6)  # The resumed epoch over all its steps.
     # The user's callback: one training though two Keras fits ran; none in a stage that came back finished.
     assert resumed["train_begins"] == (1 if stage == 0 else 0)
-    assert not (tmp_path / "run" / "backup").exists()
+    assert finished_backups(tmp_path / "run") == {"chief-0": [(16, True)], "fit2/chief-0": [(18, True)]}
 
 
 def test_early_stopping_preempted_between_its_epochs_stops_where_the_uninterrupted_run_does(tmp_path):
@@ -195,3 +213,45 @@ def test_mixed_precision_trains_and_a_loss_scale_overflow_is_no_nan_stop(tmp_pat
     if policy == "mixed_float16":
         assert float(optimizer.dynamic_scale.numpy()) < 2.0 ** 40  # Overflowing steps were skipped.
         assert int(optimizer.iterations.numpy()) == 16  # Counted all the same (every layout alike).
+
+
+class _Shuffled(keras.utils.PyDataset):
+    """Keras's batches by index, reshuffled by every `on_epoch_end` (seeded by the epoch)."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y, self.epoch, self.order, self.read = x, y, 0, np.arange(4), []
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        self.read.append(index)
+        rows = self.order[index] * 8 + np.arange(8)
+        return self.x[rows], self.y[rows]
+
+    def on_epoch_end(self):
+        self.epoch += 1
+        self.order = np.random.default_rng(self.epoch).permutation(4)
+
+
+def test_a_py_dataset_resumes_at_its_step_reading_no_batch_before_it(tmp_path):
+    x = np.arange(64, dtype="float32").reshape(32, 2)
+    y = x.sum(axis=1, keepdims=True)
+    source = _Shuffled(x, y)
+    batches = distrib_tf.data.from_py_dataset(source)
+    source.read.clear()
+    resumed = [b for b, _ in batches.batches(6, False).as_numpy_iterator()]  # Step 6: epoch 2, batch 2.
+    expected = _Shuffled(x, y)
+    expected.on_epoch_end()  # What Keras would have called after epoch 1.
+    assert [b.tolist() for b in resumed] == [expected[2][0].tolist(), expected[3][0].tolist()]
+    assert source.read == [2, 3]  # Not the six batches before it.
+    run = distrib_tf.Run(tmp_path / "run", exit_codes=False)
+    try:
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        history = model.fit(_Shuffled(x / 64, y / 64), epochs=2, verbose=0)
+    finally:
+        run.end()
+    assert history.epoch == [0, 1] and sorted(history.history) == ["loss"]
+    assert int(model.optimizer.iterations.numpy()) == 8

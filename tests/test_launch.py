@@ -289,3 +289,21 @@ def test_the_launcher_exits_75_only_when_every_task_saved(tmp_path, sig, worker1
         out.seek(0)
         text = out.read()
     assert line in text, text[-2000:]
+
+
+# worker:0 exits 75 by itself (its own SIGTERM: its pid, a pod's signal); worker:1 ignores the
+# launcher's SIGTERM and is SIGKILLed after the grace.
+_SELF_PREEMPTED = ("import json, os, signal, sys, time; task = json.loads(os.environ['TF_CONFIG'])['task']['index']; "
+                   "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
+                   "time.sleep(1 if task == 0 else 120); sys.exit(75)")
+
+
+def test_a_tasks_own_75_is_the_launchers_only_when_every_task_saved(tmp_path):
+    """Issue 42 item 4: the launcher returned worker:0's 75 ("every worker saved its state")
+    while worker:1 was SIGKILLed after the grace."""
+    result = subprocess.run(launch_cmd("local_2workers.json", sys.executable, "-c", _SELF_PREEMPTED,
+                                       options=["--grace_period=2"]),
+                            capture_output=True, text=True, timeout=60, env=ENV)
+    assert result.returncode == 130, result.stdout[-2000:]
+    assert ("worker:0 was preempted, but not every task saved its state (worker:0 exited with code 75; "
+            "worker:1 was killed by SIGKILL): exit code 130") in result.stdout, result.stdout[-2000:]

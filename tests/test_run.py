@@ -19,6 +19,7 @@ import pytest
 
 from cluster_runner import QUIET_TF
 from cluster_runner import checkpoint_arrays
+from cluster_runner import finished_backups
 from cluster_runner import local_spec
 from cluster_runner import run_cluster
 from cluster_runner import run_single
@@ -107,7 +108,8 @@ def test_preempted_at_a_random_step_on_own_disks_resumes_to_bit_identical_weight
     assert weights == [{"worker:0": uninterrupted}, {"worker:1": uninterrupted}], weights  # Bit-identical.
     # The chief's outputs on its own disk only; every backup gone once the run ended.
     assert (disks[0] / "summary.json").exists() and (disks[0] / "model.keras").exists()
-    assert not (disks[1] / "model.keras").exists() and not (disks[1] / "backup").exists()
+    assert not (disks[1] / "model.keras").exists()
+    assert finished_backups(disks[1]) == {"worker-1": [(STEPS, True)]}  # Its last, on its own disk.
     summary = json.loads((disks[0] / "summary.json").read_text())
     assert summary["resumed_at_step"] == saved_step and summary["weights_sha256"] == uninterrupted
     print(f"user script: SIGTERM after step {step}, both backed up step {saved_step} on their own disks, "
@@ -190,7 +192,7 @@ def test_preempted_on_two_workers_resumes_on_one_process_where_the_uninterrupted
     print(f"2 workers preempted at step {step}, resumed on 1 process: weights {difference:.2g} (relative L2) "
           "from the uninterrupted 2-worker run")
     assert difference <= 1e-10  # The layout test's float64 bound (tests/test_train.py, LAYOUT_CASES).
-    assert not (model_dir / "backup").exists()  # The gone tasks' backups went at the end.
+    assert finished_backups(model_dir) == {"chief-0": [(STEPS, True)]}  # The gone tasks' went at the end.
 
 
 @pytest.mark.slow  # 39 s: make soak. make test-engines plays a grow onto an empty disk (JobSet 1 -> 2).

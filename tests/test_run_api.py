@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import distrib_tf
+from cluster_runner import finished_backups
 from distrib_tf.keras import backup as backup_lib
 from distrib_tf.run import InvalidRun
 from distrib_tf.run import schedules
@@ -53,7 +54,7 @@ def test_fit_on_arrays_with_two_inputs_returns_a_history_and_the_model_loads_wit
     assert set(modes.values()) == {0o700}, {k: oct(v) for k, v in modes.items()}  # Before: 0755 but the last.
     path = run.save(model)
     run.end()
-    assert not (tmp_path / "run" / "backup").exists()
+    assert finished_backups(tmp_path / "run") == {"chief-0": [(32, True)]}  # Its last, for a rerun.
     assert (tmp_path / "run" / "summary.json").exists()
     code = ("import sys, keras, numpy as np; m = keras.models.load_model(sys.argv[1]); "
             "assert not [n for n in sys.modules if n.startswith('distrib_tf')]; "

@@ -18,6 +18,7 @@ from distrib_tf.data.examples import from_arrays
 from distrib_tf.data.examples import from_dataset
 from distrib_tf.data.examples import from_dataset_fn
 from distrib_tf.data.examples import from_images
+from distrib_tf.data.examples import from_py_dataset
 from distrib_tf.data.examples import from_source
 from distrib_tf.data.examples import load
 from distrib_tf.data.pipeline import make_dataset_fn
@@ -49,6 +50,7 @@ __all__ = [
     "from_arrays",
     "from_dataset",
     "from_dataset_fn",
+    "from_py_dataset",
     "from_images",
     "from_source",
     "load",

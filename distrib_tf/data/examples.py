@@ -81,20 +81,31 @@ class DatasetFn:
 
 @dataclasses.dataclass(frozen=True)
 class Batches:
-    """A `tf.data.Dataset` of the user's, batched as Keras's `fit` takes one: each element a
-    global batch, an epoch one pass over it. Its resume skips batches of
-    `dataset.repeat()`: exact when the dataset is deterministic (a seeded shuffle is)."""
+    """Global batches as Keras's `fit` takes them (a batched `tf.data.Dataset`, a
+    `keras.utils.PyDataset`), an epoch one pass over them.
 
-    dataset: tf.data.Dataset
+    Attributes:
+        batches: `batches(start_step, endless)`: the batches from global step `start_step`
+            on, to the end of its epoch or without end.
+        steps_per_epoch_: batches an epoch.
+        name: for messages.
+        skips: its resume reads and drops the batches before `start_step` (exact only when
+            they come again alike); else it reads batch `i` by index.
+    """
+
+    batches: Callable
     steps_per_epoch_: int
-    name: str = "a tf.data.Dataset"
+    name: str
+    skips: bool
 
     def steps_per_epoch(self, global_batch_size: int) -> int:  # pylint: disable=unused-argument
         return self.steps_per_epoch_
 
 
 def from_dataset(dataset: tf.data.Dataset, *, steps_per_epoch: int | None = None) -> Batches:
-    """A batched `tf.data.Dataset`, as Keras's `fit(dataset)` takes it.
+    """A batched `tf.data.Dataset`, as Keras's `fit(dataset)` takes it. Its resume skips
+    batches of `dataset.repeat()`: exact when the dataset is deterministic (a seeded
+    shuffle is).
 
     Raises:
         ValueError: its number of batches is unknown or infinite and `steps_per_epoch`
@@ -107,7 +118,48 @@ def from_dataset(dataset: tf.data.Dataset, *, steps_per_epoch: int | None = None
                              f"{'infinite' if cardinality == tf.data.INFINITE_CARDINALITY else 'unknown'} "
                              "length. Expected `steps_per_epoch` with it (or a dataset of known length).")
         steps_per_epoch = cardinality
-    return Batches(dataset, steps_per_epoch)
+
+    def batches(start_step: int, endless: bool) -> tf.data.Dataset:
+        return (dataset.repeat() if endless else dataset).skip(start_step)
+
+    return Batches(batches, steps_per_epoch, "a tf.data.Dataset", skips=True)
+
+
+def from_py_dataset(py_dataset) -> Batches:
+    """A `keras.utils.PyDataset` (anything with `__len__` and `__getitem__(i)` giving batch
+    `i` as `x`, `(x, y)` or `(x, y, sample_weight)`), read by index: a resume at step `s`
+    reads batch `s mod len` after calling `on_epoch_end()` once per epoch before it, as
+    Keras calls it after every epoch. Exact when `on_epoch_end` is deterministic (a
+    shuffle seeded by the epoch is). Batches are read one at a time, in order.
+    """
+    size = len(py_dataset)
+    if size < 1:
+        raise ValueError(f"Invalid value for argument `x`. Received: a {type(py_dataset).__name__} of {size} "
+                         "batches. Expected at least one.")
+    first = py_dataset[0]
+    flat = [np.asarray(a) for a in tf.nest.flatten(first)]
+    dtypes = [tf.as_dtype(a.dtype) for a in flat]
+    epochs_ended = [0]  # The on_epoch_end() calls so far (Keras's, as fit would have made them).
+
+    def fetch(step):
+        epoch, index = divmod(int(step), size)
+        while epochs_ended[0] < epoch:
+            if hasattr(py_dataset, "on_epoch_end"):
+                py_dataset.on_epoch_end()
+            epochs_ended[0] += 1
+        return [np.asarray(a, dtype=f.dtype) for a, f in zip(tf.nest.flatten(py_dataset[index]), flat)]
+
+    def read(step):
+        found = tf.numpy_function(fetch, [step], dtypes, stateful=True)
+        for tensor, array in zip(found, flat):
+            tensor.set_shape([None, *array.shape[1:]])
+        return tf.nest.pack_sequence_as(first, found)
+
+    def batches(start_step: int, endless: bool) -> tf.data.Dataset:
+        stop = tf.int64.max if endless else (start_step // size + 1) * size
+        return tf.data.Dataset.range(start_step, stop).map(read).prefetch(2)
+
+    return Batches(batches, size, type(py_dataset).__name__, skips=False)
 
 
 def from_dataset_fn(fn: Callable, *, steps_per_epoch: int) -> DatasetFn:

@@ -174,6 +174,7 @@ class WorkerBackup(keras.callbacks.Callback):
         self.saved_step = None
         self.history = list(history or [])
         self.callbacks = list(callbacks)  # The user's: their states go into every backup.
+        self._weights: dict = {}  # What the metadata says of the step's weights, once written.
         self.epoch_metrics = epoch_metrics  # The resumed epoch's metric sums so far, restored at its start.
 
     def on_train_begin(self, logs=None):
@@ -197,21 +198,23 @@ class WorkerBackup(keras.callbacks.Callback):
         self.save()
 
     def save(self):
-        """Writes the backup of the current step (weights first, metadata last)."""
-        if self.saved_step == self.step:
-            return
-        make_private_dirs(self.directory)
+        """Writes the backup of the current step (weights first, metadata last). A step
+        already saved (at a batch's end, then its epoch's) gets its metadata written again:
+        the epoch's logs and the callbacks' states came since."""
         weights = _weights_path(self.directory, self.step)
-        writing = weights[: -len(".weights.h5")] + ".writing.weights.h5"
-        self.model.save_weights(writing, overwrite=True)
-        fsync(writing)
-        os.replace(writing, weights)
+        if self.saved_step != self.step:
+            make_private_dirs(self.directory)
+            writing = weights[: -len(".weights.h5")] + ".writing.weights.h5"
+            self.model.save_weights(writing, overwrite=True)
+            fsync(writing)
+            os.replace(writing, weights)
+            self._weights = {"bytes": os.path.getsize(weights), "sha256": _sha256(weights),
+                             "seeds": [v.numpy().tolist() for v in seed_states(self.model)]}
+            if self.step % self.steps_per_epoch:  # Inside an epoch: the sums its History value needs.
+                self._weights["metrics"] = metric_sums(self.model)
         meta = {"run": self.run, "step": self.step, "epoch": self.step // self.steps_per_epoch,
-                "task": self.task, "bytes": os.path.getsize(weights), "sha256": _sha256(weights),
-                "seeds": [v.numpy().tolist() for v in seed_states(self.model)], "history": self.history,
+                "task": self.task, **self._weights, "history": self.history,
                 "callbacks": user_view.callback_states(self.callbacks), "stopped": bool(self.model.stop_training)}
-        if self.step % self.steps_per_epoch:  # Inside an epoch: the sums its History value needs.
-            meta["metrics"] = metric_sums(self.model)
         meta_path = _meta_path(self.directory, self.step)
         with open(meta_path + ".writing", "w", encoding="utf-8") as f:
             json.dump(meta, f)
@@ -301,14 +304,44 @@ def write_json_atomically(path: str, content: dict) -> None:
 
 
 def remove_backups(directory: str) -> None:
-    """Deletes this worker's backups once the run is over, and `backup/` once empty."""
+    """Deletes this worker's backups once the run is over, and `backup/` once empty. Several
+    workers may delete one gone task's backups at once (a grow on a shared disk): a file
+    another one deleted first is gone, as asked."""
     for path in glob.glob(os.path.join(glob.escape(directory), "step-*")):
-        os.remove(path)
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
     for folder in (directory, os.path.dirname(directory)):
         try:
             os.rmdir(folder)
         except OSError:  # Not empty (another worker's backups on a shared disk), or gone.
             return
+
+
+def finish(directory: str) -> None:
+    """At a run's clean end: keeps this worker's newest backup, marked `finished`, and
+    deletes the others. The same script run again resumes at its last step (each `fit`
+    returns at once, with its History); another script's run starts over (`retire_finished`)."""
+    held = list_backups(directory)
+    for old in held[:-1]:
+        for path in (_meta_path(directory, old["step"]), _weights_path(directory, old["step"])):
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+    if held and not held[-1].get("finished"):
+        write_json_atomically(_meta_path(directory, held[-1]["step"]), {**held[-1], "finished": True})
+
+
+def retire_finished(directory: str, *, run: str) -> list[int]:
+    """Deletes `directory`'s backups when they are all a finished run's of another `run` (the
+    script changed since): they hold nothing to resume. Returns the steps deleted."""
+    held = list_backups(directory)
+    if not held or not all(b.get("finished") and b.get("run") != run for b in held):
+        return []
+    remove_backups(directory)
+    return [b["step"] for b in held]
 
 
 def resume_source(directory: str, *, run: str, tasks) -> str:

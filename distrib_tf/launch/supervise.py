@@ -267,12 +267,17 @@ def _run(config: LaunchConfig, console: console_lib.Sink) -> LaunchResult:
                 group.finish(None)
                 _say(f"every task succeeded (attempt {attempt})", console)
                 return LaunchResult(exit_codes.OK, attempt, first_failure)
-            group.stop(config.grace_period)
+            codes = group.stop(config.grace_period)
             failure = group.finish(ended)
-            if ended.returncode == exit_codes.PREEMPTED:
-                _say(f"{failure.task} was preempted: every worker saved its state; start the "
-                     "job again to resume", console)
-                return LaunchResult(exit_codes.PREEMPTED, attempt, first_failure)
+            if ended.returncode == exit_codes.PREEMPTED:  # A task's own SIGTERM (its pid, a pod's, a lifeline).
+                if all(code in (exit_codes.OK, exit_codes.PREEMPTED) for code in codes):
+                    _say(f"{failure.task} was preempted: every worker saved its state; start the "
+                         "job again to resume", console)
+                    return LaunchResult(exit_codes.PREEMPTED, attempt, first_failure)
+                each = "; ".join(TaskExit(task, code, []).describe() for task, code in zip(group.procs, codes))
+                _say(f"{failure.task} was preempted, but not every task saved its state ({each}): exit code "
+                     f"{exit_codes.INTERRUPTED}", console)
+                return LaunchResult(exit_codes.INTERRUPTED, attempt, first_failure)
             if received:
                 return _stop_on_signal(group, received[0], config, attempt, first_failure or failure,
                                        console)

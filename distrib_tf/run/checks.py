@@ -17,12 +17,13 @@ def _check_model(model, strategy) -> None:
         raise InvalidRun("Invalid value for argument `model`: it is not compiled. Expected "
                          "`model.compile(optimizer=..., loss=...)` under `run.strategy.scope()` first.")
     if model.distribute_strategy is not strategy:
-        raise InvalidRun("Invalid value for argument `model`: it was built outside `run.strategy.scope()`. "
-                         "Expected it built and compiled under `with run.strategy.scope():`.")
+        raise InvalidRun("Invalid value for argument `model`: it was built under another strategy (before the "
+                         "Run, or under another Run). Expected it built after `distrib_tf.Run(...)`, whose "
+                         "strategy is then the default, or under `with run.strategy.scope():`.")
 
 
 def check_fit(model, strategy, train, *, epochs, global_batch_size, steps_per_epoch, validation_data,
-              validation_steps) -> tuple[int, int | None]:
+              validation_steps, validation_batch_size=None) -> tuple[int, int | None]:
     """`Run.fit`'s arguments; returns the steps of an epoch and of a validation."""
     _check_model(model, strategy)
     check_positive("epochs", epochs, optional=False)
@@ -42,7 +43,9 @@ def check_fit(model, strategy, train, *, epochs, global_batch_size, steps_per_ep
                      f"of {global_batch_size} in the {train.num_examples} examples of {train.name}")
         val_steps = None
         if validation_data is not None:
-            val_steps = validation_steps or validation_data.steps_per_epoch(global_batch_size)
+            if validation_batch_size and not isinstance(validation_data, examples_lib.Batches):
+                registry.check_global_batch_size(validation_batch_size, strategy.num_replicas_in_sync)
+            val_steps = validation_steps or validation_data.steps_per_epoch(validation_batch_size or global_batch_size)
     except InvalidRun:
         raise
     except ValueError as e:

@@ -6,6 +6,8 @@
   last fraction of the rows before any shuffling, as Keras does;
 - a `tf.data.Dataset` (batched, as `fit` takes one): its own order, resumed by skipping
   batches (`distrib_tf.data.from_dataset`);
+- a `keras.utils.PyDataset`: batch `i` read by index, so resumed at its step without
+  reading the batches before it (`distrib_tf.data.from_py_dataset`);
 - distrib_tf's own sources (`from_arrays`, `from_source`, `from_images`, `load`,
   `from_dataset_fn`) as they are.
 
@@ -15,6 +17,7 @@ dataset, or a source.
 
 import math
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -40,9 +43,12 @@ def training_data(x, y, *, sample_weight, class_weight, validation_split: float,
         return _source(x, "x", steps_per_epoch), validation_of(validation_data)
     if x is None:
         invalid("x", None, "arrays, a tf.data.Dataset or a distrib_tf.data source")
-    if hasattr(x, "__getitem__") and hasattr(x, "__len__") and hasattr(x, "on_epoch_end"):
-        invalid("x", type(x).__name__, "arrays, a tf.data.Dataset or a distrib_tf.data source (a "
-                 "keras.utils.PyDataset: distrib_tf.data.from_source on its examples reads them by id)")
+    if _is_py_dataset(x):
+        for name, value in (("y", y), ("sample_weight", sample_weight), ("class_weight", class_weight)):
+            if value is not None:
+                invalid(name, type(value).__name__, f"None with x a {type(x).__name__}, whose batches hold "
+                         "their own targets and weights (as Keras's fit)")
+        return examples_lib.from_py_dataset(x), validation_of(validation_data)
     x, y = _arrays(x, "x"), (None if y is None else _arrays(y, "y"))
     weights = None if sample_weight is None else np.asarray(sample_weight)
     if class_weight is not None:
@@ -70,9 +76,16 @@ def validation_of(data):
     return _source(data, "validation_data", None)
 
 
+def _is_py_dataset(data) -> bool:
+    return isinstance(data, keras.utils.PyDataset) or (
+        hasattr(data, "__getitem__") and hasattr(data, "__len__") and hasattr(data, "on_epoch_end"))
+
+
 def _source(data, argument: str, steps_per_epoch: int | None):
     if isinstance(data, SOURCES):
         return data
+    if _is_py_dataset(data):
+        return examples_lib.from_py_dataset(data)
     if isinstance(data, tf.data.Dataset):
         try:
             return examples_lib.from_dataset(data, steps_per_epoch=steps_per_epoch)
@@ -110,7 +123,8 @@ def batch_size_of(train, batch_size: int | None) -> int:
         return 32 if batch_size is None else batch_size
     if batch_size is not None:
         invalid("batch_size", batch_size, "None with a tf.data.Dataset, which is batched already (as Keras's fit)")
-    first = tf.nest.flatten(train.dataset.element_spec)[0].shape
+    dataset = train.batches(0, False)
+    first = tf.nest.flatten(dataset.element_spec)[0].shape
     if first.rank and first[0] is not None:
         return int(first[0])
-    return int(tf.nest.flatten(next(iter(train.dataset)))[0].shape[0])
+    return int(tf.nest.flatten(next(iter(dataset)))[0].shape[0])

@@ -188,8 +188,7 @@ class Run:
         if isinstance(data, tf.data.Dataset):
             data = examples_lib.from_dataset(data)
         if isinstance(data, examples_lib.Batches):
-            batches = data.dataset if one_pass else data.dataset.repeat()
-            return self.strategy.experimental_distribute_dataset(batches.skip(start_step))
+            return self.strategy.experimental_distribute_dataset(data.batches(start_step, not one_pass))
         if isinstance(data, examples_lib.DatasetFn):
             return self.strategy.distribute_datasets_from_function(
                 lambda context: data.fn(context).skip(start_step))
@@ -221,7 +220,8 @@ class Run:
                 `global_batch_size` is the same.
             epochs: epochs in all, counting those a resumed run already trained.
             validation_data: a tuple `(x, y[, sample_weight])`, a dataset or a source,
-                evaluated in order, in full global batches (`validation_steps` fewer).
+                evaluated in order, in full batches of `validation_batch_size` (default:
+                `batch_size`; `validation_steps` fewer).
             shuffle: the run's seeded order (exact on every layout), or the rows in order.
             callbacks: the user's own, called after distrib_tf's; a stage's partial epoch
                 and its rest are one training to them (`on_train_begin` once).
@@ -238,9 +238,11 @@ class Run:
             x, y, sample_weight=sample_weight, class_weight=class_weight, validation_split=validation_split,
             validation_data=validation_data, steps_per_epoch=steps_per_epoch)
         global_batch_size = inputs.batch_size_of(train, global_batch_size or batch_size)
+        validation_batch_size = validation_batch_size or global_batch_size
         steps, val_steps = checks.check_fit(
             model, self.strategy, train, epochs=epochs, global_batch_size=global_batch_size,
-            steps_per_epoch=steps_per_epoch, validation_data=validation_data, validation_steps=validation_steps)
+            steps_per_epoch=steps_per_epoch, validation_data=validation_data, validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size)
         checks.check_initial_epoch(initial_epoch, epochs)
         stage = len(self._stages)
         self._fitted = True
@@ -252,10 +254,11 @@ class Run:
             step_logs.carry(model)  # One collective a step: the logs travel with the gradients.
         try:
             with routing.plain_fit(), preemption.guarded():
-                return stage_lib.fit_stage(self, model, train, validation_data, stage=stage, epochs=epochs, steps=steps,
-                                       val_steps=val_steps, global_batch_size=global_batch_size,
-                                       offset=initial_epoch * steps, shuffle=shuffle, callbacks=callbacks,
-                                       verbose=verbose, validation_freq=validation_freq)
+                return stage_lib.fit_stage(
+                    self, model, train, validation_data, stage=stage, epochs=epochs, steps=steps, val_steps=val_steps,
+                    global_batch_size=global_batch_size, validation_batch_size=validation_batch_size,
+                    offset=initial_epoch * steps, shuffle=shuffle, callbacks=callbacks, verbose=verbose,
+                    validation_freq=validation_freq)
         finally:
             step_logs.release(model)  # The model is the user's again: its evaluate logs its metrics only.
             nonfinite.detach(model)
@@ -278,8 +281,10 @@ class Run:
 
     def end(self) -> None:
         """The clean end, on every worker: the chief writes `summary.json`; once every
-        worker is here the backups go and a `finished` event is emitted. Called on leaving
-        the `with` block; idempotent."""
+        worker is here each keeps only its last backup of each `fit`, marked finished (the
+        same script run again returns at once; `fresh_start` trains again), and a `finished`
+        event is emitted. Called on leaving the `with` block or at the script's end;
+        idempotent."""
         if self._ended:
             return
         self._ended = True
@@ -303,9 +308,9 @@ class Run:
                 raise
         preemption.stop_watching()
         for directory, source, run_id in reversed(self._stages):
-            if source != directory:  # Resumed on another layout: the gone tasks' go too.
+            if source != directory:  # Resumed on another layout: the gone tasks' go.
                 backup.remove_gone(directory, run=run_id, tasks=self.replica_tasks)
-            backup.remove_backups(directory)
+            backup.finish(directory)  # Its last backup, for a rerun of the same script.
         final = self.summary.get("final") or {  # The last epoch's logs, where the script evaluated nothing.
             k: v for k, v in (self.summary.get("epochs") or [{}])[-1].items() if k != "epoch"}
         events.emit("finished", final=final, summary=path if self.is_chief else None)

@@ -27,14 +27,15 @@ from distrib_tf.run import schedules
 
 
 def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_steps, global_batch_size,
-               offset, shuffle, callbacks, verbose, validation_freq):
+              validation_batch_size, offset, shuffle, callbacks, verbose, validation_freq):
+    """One `fit` call of the run's (`Run.fit` checked its arguments); returns its History."""
     options = run.options
     run_id = options.run_id or identity(run, model, train, global_batch_size, steps)
     if stage or offset:
-        run_id = f"{run_id}-fit{stage}" + (f"-from{offset}" if offset else "")
+        run_id = f"{run_id}-fit{stage + 1}" + (f"-from{offset}" if offset else "")
     run.run_id = run_id
-    backup_dir = run.backup_dir if not stage else os.path.join(
-        run.model_dir, "backup", f"fit{stage}", backup.task_dirname(run.task))
+    backup_dir = run.backup_dir if not stage else os.path.join(  # The second fit's in backup/fit2/.
+        run.model_dir, "backup", f"fit{stage + 1}", backup.task_dirname(run.task))
     with preemption.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.
         backup.make_private_dirs(run.model_dir, tighten=True)  # Every worker's: its backups live there.
         grace = float(os.environ.get(preemption.GRACE_ENV) or 60)
@@ -44,6 +45,10 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
                   f"{[b['step'] for b in held]} in {backup_dir}", flush=True)
             backup.remove_backups(backup_dir)
             run._held.append(backup.hold(backup_dir, wait_seconds=2 * grace))
+        elif retired := backup.retire_finished(backup_dir, run=run_id):
+            print(f"{run.task} starts at step 0: its backup of step {retired[-1]} in {backup_dir} is a finished "
+                  "run's of another script (another model, optimizer, data or batch); deleted", flush=True)
+            run._held.append(backup.hold(backup_dir, wait_seconds=2 * grace))
         source = (backup_dir if run.fresh_start else
                   backup.resume_source(backup_dir, run=run_id, tasks=run.replica_tasks))
         run._stages.append((backup_dir, source, run_id))
@@ -52,9 +57,14 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     if resumed:
         moved = ("" if source == backup_dir else " (a task this layout does not have)") if (
             backup.list_backups(source)) else " (none here: the state came from a worker that holds it)"
-        print(f"{run.task} resumes at step {start_step} (epoch {start_step // steps + 1}, "
-              f"step {start_step % steps} of it) from {source}{moved}", flush=True)
-        if isinstance(train, (examples_lib.DatasetFn, examples_lib.Batches)):
+        meta = backup.read_meta(source, resumed)
+        if meta.get("finished") and (start_step >= epochs * steps or meta.get("stopped")):
+            print(f"{run.task}: fit {stage + 1} finished at step {start_step} before, in {source}{moved}: "
+                  "returning its History and final state (fresh_start=True trains it again)", flush=True)
+        else:
+            print(f"{run.task} resumes at step {start_step} (epoch {start_step // steps + 1}, "
+                  f"step {start_step % steps} of it) from {source}{moved}", flush=True)
+        if isinstance(train, examples_lib.DatasetFn) or getattr(train, "skips", False):
             print(f"{run.task} skips the first {start_step} batches of {train.name}: the same batches as "
                   "before only if it is deterministic (a seeded shuffle is)", flush=True)
     run.resumed_at_step = start_step
@@ -86,7 +96,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     if verbose == "auto":
         verbose = (1 if sys.stdout.isatty() else 2) if run.is_chief else 0
     validation = None if validation_data is None else run.distribute(  # Keras reads it every epoch.
-        validation_data, global_batch_size=global_batch_size,
+        validation_data, global_batch_size=validation_batch_size,
         one_pass=isinstance(validation_data, examples_lib.Batches))
     history, rollbacks = {}, []
     step, last_step = start_step, epochs * steps
@@ -122,6 +132,10 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
             users.last = True
             users.on_train_end()
     run.step = step
+    if not any(b["step"] == step - offset for b in backup.list_backups(backup_dir)):  # Returned from elsewhere.
+        worker_backup.set_model(model)
+        worker_backup.step = step - offset
+        worker_backup.save()  # This worker's own disk holds the stage's end, for a rerun.
     for record in worker_backup.history:
         for key, value in record.items():
             if key != "epoch":

@@ -156,7 +156,7 @@ def main(argv):
         print(f"final {summary.get('final', {})} on {config.dataset}; "
               f"summary: {os.path.join(job.model_dir, 'summary.json')}", flush=True)
     if job.strategy_name == "MultiWorkerMirroredStrategy" and not job.is_evaluator:
-        ending.leave_together(job.strategy, job.is_chief)
+        ending.leave_together(job.strategy, job.is_chief, exit_now=True)
 
 
 def run():
