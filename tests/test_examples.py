@@ -59,6 +59,7 @@ def _example(cwd, script, *args, workers=2):
 
 
 @pytest.mark.multiworker
+@pytest.mark.slow  # make soak; make test fits inside the scope on 2 workers in tests/test_keras_compat.py.
 def test_the_text_example_trains_inside_its_strategy_scope_on_two_workers(tmp_path):
     """Its fit inside `with strategy.scope():` on 2 workers (it hung at the first epoch's end,
     in the chief's checkpoint: compat fix 11); make soak preempts it too, below."""

@@ -65,7 +65,8 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_workers")
-    results = run_cluster([USER_SCRIPT, "--out", out, *READ_ONLY], spec=local_spec(2), env=ENV)
+    # fit inside strategy.scope(), as many Keras scripts have it (it hung there: fix 11).
+    results = run_cluster([USER_SCRIPT, "--out", out, *READ_ONLY, "--fit_in_scope"], spec=local_spec(2), env=ENV)
     return out, results
 
 

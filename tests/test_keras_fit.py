@@ -84,6 +84,8 @@ def test_a_dataset_without_a_length_needs_steps_and_a_bad_argument_is_one_line(t
         assert model.fit(endless, epochs=1, steps_per_epoch=2, verbose=0).epoch == [0]
         with pytest.raises(distrib_tf.run.InvalidRun, match=r"Invalid value for argument `validation_split`"):
             model.fit(np.ones((8, 2)), np.ones(8), validation_split=1.5)
+        with pytest.raises(distrib_tf.run.InvalidRun, match=r"x='generator'.*cannot be resumed at a step"):
+            model.fit((batch for batch in [(np.ones((4, 2)), np.ones(4))]), epochs=1)
     finally:
         run.end()
 
@@ -189,7 +191,7 @@ def test_early_stopping_preempted_between_its_epochs_stops_where_the_uninterrupt
     assert len(resumed["histories"][0]["loss"]) == 3 and resumed["weights"] == plain["weights"]
 
 
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("policy", ["mixed_float16", pytest.param("mixed_bfloat16", marks=pytest.mark.slow)])
 def test_mixed_precision_trains_and_a_loss_scale_overflow_is_no_nan_stop(tmp_path, policy):
     """Under `mixed_float16` a loss scale of 2**40 overflows the first steps' gradients: Keras's
     LossScaleOptimizer skips them and lowers the scale, which the run takes for no NaN stop."""

@@ -116,6 +116,7 @@ def test_preempted_at_a_random_step_on_own_disks_resumes_to_bit_identical_weight
           f"resumed: final weights bit-identical to the uninterrupted run ({uninterrupted})")
 
 
+@pytest.mark.slow  # 20 s: make soak. make test restarts a killed worker of the main job (tests/test_launch.py).
 def test_a_worker_killed_restarts_to_the_same_weights(tmp_path, uninterrupted):
     step = random.Random().randrange(6, STEPS - 4)
     code, text = _launch(f"--model_dir={tmp_path / 'run'}", f"--kill_at_step={step}",

@@ -12,6 +12,7 @@ import pytest
 from cluster_runner import QUIET_TF
 from cluster_runner import check_ok
 from cluster_runner import checkpoint_arrays
+from cluster_runner import finished_backups
 from cluster_runner import latest_backup
 from cluster_runner import local_spec
 from cluster_runner import run_cluster
@@ -42,8 +43,9 @@ def test_offline_default_trains_and_beats_chance(tmp_path, model, dataset, chanc
     assert summary["final"]["accuracy"] > 2.5 * chance, summary["final"]
     assert summary["examples_per_second"] > 0 and summary["wall_seconds"] > 0
     assert f"final accuracy {summary['final']['accuracy']:.4f}" in result.output
-    # The chief's outputs; backup/ is removed on success.
-    assert sorted(os.listdir(model_dir)) == ["checkpoints", "logs", "model.keras", "serving", "summary.json"]
+    # The chief's outputs, and the last backup.
+    assert sorted(os.listdir(model_dir)) == ["backup", "checkpoints", "logs", "model.keras", "serving", "summary.json"]
+    assert finished_backups(model_dir) == {"chief-0": [(120, True)]}  # Its last, for a rerun to return at once.
     assert os.stat(model_dir).st_mode & 0o777 == 0o700
 
 
@@ -99,8 +101,10 @@ LAYOUTS = {"2 replicas": ("single", ["--cpu_replicas=2"]), "2 workers": (2, []),
 
 
 @pytest.mark.multiworker
-@pytest.mark.parametrize("model", ["cnn", pytest.param("transformer", marks=pytest.mark.slow)])
-def test_results_do_not_depend_on_the_layout(tmp_path, model, shapes_on_disk):
+@pytest.mark.parametrize("model, layouts", [  # make soak: 4 workers (2 cores: 80 s), the transformer.
+    ("cnn", ["2 replicas", "2 workers"]), pytest.param("cnn", ["4 workers"], marks=pytest.mark.slow),
+    pytest.param("transformer", list(LAYOUTS), marks=pytest.mark.slow)])
+def test_results_do_not_depend_on_the_layout(tmp_path, model, layouts, shapes_on_disk):
     """One process, 2 logical replicas, 2 and 4 workers: the same losses and weights. The CNN
     streams its data from ArrayRecord shards, each worker reading only its own examples."""
     precision, losses_rtol, weights_rtol = LAYOUT_CASES[model]
@@ -110,7 +114,8 @@ def test_results_do_not_depend_on_the_layout(tmp_path, model, shapes_on_disk):
     reference_dir = tmp_path / "one"
     check_ok([run_single([*args, "--strategy=one_device", f"--model_dir={reference_dir}"], env=ENV, timeout=300)])
     reference = _summary(reference_dir)
-    for name, (workers, extra) in LAYOUTS.items():
+    for name in layouts:
+        workers, extra = LAYOUTS[name]
         model_dir = tmp_path / name.replace(" ", "_")
         argv = [*args, *extra, f"--model_dir={model_dir}"]
         if workers == "single":

@@ -15,6 +15,7 @@
 dataset, or a source.
 """
 
+import inspect
 import math
 
 import keras
@@ -43,6 +44,9 @@ def training_data(x, y, *, sample_weight, class_weight, validation_split: float,
         return _source(x, "x", steps_per_epoch), validation_of(validation_data)
     if x is None:
         invalid("x", None, "arrays, a tf.data.Dataset or a distrib_tf.data source")
+    if inspect.isgenerator(x):
+        invalid("x", type(x).__name__, "arrays, a tf.data.Dataset or a keras.utils.PyDataset: a generator "
+                 "cannot be resumed at a step (wrap it in tf.data.Dataset.from_generator, resumed by skipping)")
     if _is_py_dataset(x):
         for name, value in (("y", y), ("sample_weight", sample_weight), ("class_weight", class_weight)):
             if value is not None:

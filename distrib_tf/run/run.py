@@ -32,11 +32,13 @@ at once, with its History and final state, and resumes the interrupted one.
 The exit codes a scheduler reads: leaving by `Preempted` exits 75, by `NonFiniteLoss` 65,
 by a bad input or an impossible resume 2, each with one line (`distrib_tf.run.ending`),
 from the `with` block or, without one, from the uncaught error; leaving normally (the
-block, or the script's end) writes `summary.json`, deletes the backups once every
-worker's outputs are written, and, under several workers, meets every worker at a barrier
-before returning. In Jupyter (no exit codes wanted) pass `exit_codes=False` and call
-`run.end()`: the errors are raised as they are.
+block, or the script's end) writes `summary.json`, keeps only each worker's last backup
+of each `fit` once every worker's outputs are written (a rerun returns at once), and,
+under several workers, meets every worker at a barrier before returning. In Jupyter (no
+exit codes wanted) pass `exit_codes=False` and call `run.end()`: the errors are raised as
+they are.
 """
+
 import os
 import sys
 
