@@ -54,21 +54,20 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
         run._stages.append((backup_dir, source, run_id))
         resumed = backup.agree_on_resume(model, source, run=run_id, task=run.task)
     start_step = offset + resumed
+    meta = backup.read_meta(source, resumed) if resumed else {}  # What the step's backup holds beside weights.
     if resumed:
         moved = ("" if source == backup_dir else " (a task this layout does not have)") if (
             backup.list_backups(source)) else " (none here: the state came from a worker that holds it)"
-        meta = backup.read_meta(source, resumed)
         if meta.get("finished") and (start_step >= epochs * steps or meta.get("stopped")):
             print(f"{run.task}: fit {stage + 1} finished at step {start_step} before, in {source}{moved}: "
                   "returning its History and final state (fresh_start=True trains it again)", flush=True)
         else:
             print(f"{run.task} resumes at step {start_step} (epoch {start_step // steps + 1}, "
                   f"step {start_step % steps} of it) from {source}{moved}", flush=True)
-        if isinstance(train, examples_lib.DatasetFn) or getattr(train, "skips", False):
-            print(f"{run.task} skips the first {start_step} batches of {train.name}: the same batches as "
-                  "before only if it is deterministic (a seeded shuffle is)", flush=True)
+            if isinstance(train, examples_lib.DatasetFn) or getattr(train, "skips", False):
+                print(f"{run.task} skips the first {start_step} batches of {train.name}: the same batches as "
+                      "before only if it is deterministic (a seeded shuffle is)", flush=True)
     run.resumed_at_step = start_step
-    meta = backup.read_meta(source, resumed) if resumed else {}
     users = user_view.Segments(callbacks or (), model, states=meta.get("callbacks"))
     worker_backup = backup.WorkerBackup(
         backup_dir, run=run_id, task=run.task, steps_per_epoch=steps, every_steps=options.backup_every_steps,
