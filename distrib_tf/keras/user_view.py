@@ -92,12 +92,17 @@ def _float(value):
     return value if math.isfinite(value) else repr(value)  # JSON has no inf: "inf", "-inf".
 
 
+def _opted_in(callback) -> bool:
+    """Whether a callback keeps its own state across restarts (`get_state`/`set_state`)."""
+    return hasattr(callback, "get_state") and hasattr(callback, "set_state")
+
+
 def callback_states(callbacks) -> list:
     """Each callback's `[class name, state]` (`get_state()`, or Keras's own attributes; a
     state `None` where it has none): what a backup holds."""
     states = []
     for callback in callbacks:
-        if hasattr(callback, "get_state") and hasattr(callback, "set_state"):
+        if _opted_in(callback):
             state = callback.get_state()
         else:
             names = next((names for kind, names in KERAS_STATES if isinstance(callback, kind)), ())
@@ -114,7 +119,7 @@ def set_callback_states(callbacks, states) -> None:
             return
         if state is None:
             continue
-        if hasattr(callback, "set_state") and hasattr(callback, "get_state"):
+        if _opted_in(callback):
             callback.set_state(state)
             continue
         for attribute, value in state.items():
