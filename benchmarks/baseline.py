@@ -44,7 +44,7 @@ def main():
                                 num_classes=info.num_classes)
         model.compile(optimizer=keras.optimizers.Adam(1e-3),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-    timer = EpochTimer(steps * global_batch)
+    timer = EpochTimer(global_batch)
     model.fit(dataset, epochs=epochs, steps_per_epoch=steps, callbacks=[timer], verbose=0, shuffle=False)
     if strategy.extended.should_checkpoint:
         with open(out, "w") as f:

@@ -29,6 +29,7 @@ def _callback(directory, model, every_steps=None):
 
 
 def test_killed_while_writing_restores_the_last_good_one(tmp_path):
+    tmp_path = tmp_path / "chief-0"  # Inside model_dir/backup/.
     model = _model()
     first = [w.copy() for w in model.get_weights()]
     callback = _callback(tmp_path, model)
@@ -47,12 +48,13 @@ def test_killed_while_writing_restores_the_last_good_one(tmp_path):
         callback.on_epoch_end(1)
     assert [b["step"] for b in backup.list_backups(str(tmp_path))] == [4]
     restored = _model()
-    assert backup.agree_on_resume(restored, str(tmp_path), run="run-a", task="chief:0") == 4
+    assert backup.agree_on_resume(restored, str(tmp_path), run="run-a", task="chief:0").step == 4
     for a, b in zip(restored.get_weights(), first):
         np.testing.assert_array_equal(a, b)
 
 
 def test_keeps_the_last_two_and_saves_every_n_steps(tmp_path):
+    tmp_path = tmp_path / "chief-0"
     model = _model()
     callback = _callback(tmp_path, model, every_steps=3)
     callback.on_train_begin()
@@ -65,13 +67,15 @@ def test_keeps_the_last_two_and_saves_every_n_steps(tmp_path):
     weights = tmp_path / "step-000000008.weights.h5"
     assert meta == {"run": "run-a", "step": 8, "epoch": 2, "task": "chief:0", "bytes": weights.stat().st_size,
                     "sha256": hashlib.sha256(weights.read_bytes()).hexdigest(), "seeds": [],
-                    "history": [{"epoch": 1}, {"epoch": 2}], "callbacks": [], "stopped": False}  # No Dropout.
+                    "history": [{"epoch": 1}, {"epoch": 2}], "callbacks": [], "stopped": False,
+                    "rollbacks": []}  # No Dropout.
     backup.remove_backups(str(tmp_path))
     assert not tmp_path.exists() or not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("damage", ["truncated", "bit flipped"])
 def test_weights_damaged_after_a_crash_fall_back_to_the_backup_before(tmp_path, damage):
+    tmp_path = tmp_path / "chief-0"
     """The metadata of step 8 was committed, its weights did not survive (a crash before the
     page cache reached the disk, a bad sector): the backup is not listed, the resume takes 4."""
     model = _model()
@@ -88,81 +92,105 @@ def test_weights_damaged_after_a_crash_fall_back_to_the_backup_before(tmp_path, 
                         data[:-100] + bytes([data[-100] ^ 1]) + data[-99:])
     assert [b["step"] for b in backup.list_backups(str(tmp_path))] == [4]
     restored = _model()
-    assert backup.agree_on_resume(restored, str(tmp_path), run="run-a", task="chief:0") == 4
+    assert backup.agree_on_resume(restored, str(tmp_path), run="run-a", task="chief:0").step == 4
     for a, b in zip(restored.get_weights(), first):
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_worker_killed_writing_its_first_backup_starts_again_with_its_peers(tmp_path):
-    """worker:0 holds the start and step 5; worker:1 was killed while writing step 5, so
-    holds the start only: every worker starts again at 0 (it was a ResumeError, "worker:1
-    holds no backup", seen in make test-engines when a pod was killed that early)."""
+def _save(directory, task, steps, run="run-a", model=None):
+    callback = backup.WorkerBackup(str(directory / backup.task_dirname(task)), run=run, task=task,
+                                   steps_per_epoch=10, every_steps=5)
+    callback.set_model(model or _model())
+    for step in steps:
+        callback.step = step
+        callback.save()
+    return callback
+
+
+def _rows(directory, tasks, run="run-a"):
     rows = []
-    for task, steps in (("worker:0", [0, 5]), ("worker:1", [0])):
-        directory = tmp_path / task.replace(":", "-")
-        callback = backup.WorkerBackup(str(directory), run="run-a", task=task, steps_per_epoch=10,
-                                       every_steps=5)
-        callback.set_model(_model())
-        for step in steps:
-            callback.step = step
-            callback.save()
-        rows.append(backup._describe_local(str(directory), "run-a", task))  # pylint: disable=protected-access
-    assert backup.decide(np.array(rows)) == 0
-    rows[1] = backup._describe_local(str(tmp_path / "lost"), "run-a", "worker:1")  # A disk lost: no backup.
-    assert backup.decide(np.array(rows)) == 5  # worker:0's step; worker:1 gets its state (share_state).
+    for task in tasks:
+        own = str(directory / backup.task_dirname(task))
+        rows.append(backup._describe_local(own, run, task, backup.newest(own, run=run)))  # pylint: disable=protected-access
+    return np.array(rows)
 
 
-def _row(job, index, status, *steps):
-    return [job, index, status, *([-1] * (2 - len(steps)) + list(steps))]
+def test_a_worker_killed_writing_a_backup_resumes_at_its_peers_newer_one(tmp_path):
+    """worker:0 holds the start and step 5; worker:1 was killed while writing step 5: every
+    worker resumes at 5, worker:1 receiving it (it was a ResumeError, then a restart at 0)."""
+    _save(tmp_path / "a", "worker:0", [0, 5])
+    _save(tmp_path / "b", "worker:1", [0])  # Own disks: neither sees the other's.
+    assert backup.decide(np.concatenate([_rows(tmp_path / "a", ["worker:0"]),
+                                         _rows(tmp_path / "b", ["worker:1"])])) == 5
+    assert backup.decide(_rows(tmp_path / "c", ["worker:0", "worker:1"])) == 0  # Nothing anywhere: step 0.
 
 
-def test_decide_takes_the_latest_step_all_workers_hold():
-    assert backup.decide(np.array([_row(1, 0, 0), _row(1, 1, 0)])) == 0
-    assert backup.decide(np.array([_row(1, 0, 1, 100, 120), _row(1, 1, 1, 80, 100)])) == 100
-    assert backup.decide(np.array([_row(0, 0, 1, 100, 120), _row(1, 0, 1, 100, 120)])) == 120
-
-
-def test_a_worker_without_a_backup_resumes_at_the_step_its_peers_hold():
-    """A host that lost its disk, or one added to the job: it gets the state, not an error."""
-    assert backup.decide(np.array([_row(0, 0, 1, 40, 80), _row(1, 0, 0)])) == 80
-    assert backup.decide(np.array([_row(1, 0, 1, 40, 60), _row(1, 1, 1, 60, 80), _row(1, 2, 0)])) == 60
-
-
-@pytest.mark.parametrize("rows, error", [
-    ([_row(1, 0, 1, 40), _row(1, 1, 2, 40)],
-     "Cannot resume: worker:1 holds a backup of a different run"),
-    ([_row(1, 0, 1, 100, 120), _row(1, 1, 1, 40, 60)],
-     "no step that every worker holds (worker:0 holds steps [100, 120]; worker:1 holds steps [40, 60])"),
+@pytest.mark.parametrize("history, tasks, expected", [
+    # 2 workers to step 35, then 1 process to 101, then 2 workers again (shared disk): 101, not 35.
+    ([("worker:0", [30, 35]), ("worker:1", [30, 35]), ("chief:0", [96, 101])], ["worker:0", "worker:1"], 101),
+    # 1 process to 40, 2 workers to 70, 1 process again: 70 from the workers' directories.
+    ([("chief:0", [35, 40]), ("worker:0", [65, 70]), ("worker:1", [65, 70])], ["chief:0"], 70),
+    # 3 workers to 30, 2 to 60, 3 again: worker-2's stale 30 neither wins nor stops the job.
+    ([("worker:0", [55, 60]), ("worker:1", [55, 60]), ("worker:2", [25, 30])],
+     ["worker:0", "worker:1", "worker:2"], 60),
 ])
-def test_decide_refuses_backups_that_do_not_agree(rows, error):
-    with pytest.raises(backup.ResumeError) as raised:
-        backup.decide(np.array(rows))
-    assert error in str(raised.value)
-
-
-def test_a_layout_without_the_tasks_that_wrote_the_backups_resumes_from_theirs(tmp_path):
-    """Two workers backed up, then one process (chief:0) starts: it resumes from their step
-    instead of from 0. A task of the layout reports its own, even an empty one (a grow)."""
-    for task in ("worker:0", "worker:1"):
-        callback = backup.WorkerBackup(str(tmp_path / backup.task_dirname(task)), run="run-a", task=task,
-                                       steps_per_epoch=10, every_steps=5)
-        callback.set_model(_model())
-        for step in (5, 10):
-            callback.step = step
-            callback.save()
-    other = backup.WorkerBackup(str(tmp_path / "worker-2"), run="run-b", task="worker:2", steps_per_epoch=10)
-    other.set_model(_model())
-    other.step = 20
-    other.save()  # Another run's, with a later step: never taken for this one.
-    assert backup.resume_source(str(tmp_path / "chief-0"), run="run-a", tasks=["chief:0"]) == str(tmp_path / "worker-0")
-    two = ["worker:0", "worker:1"]
-    assert backup.resume_source(str(tmp_path / "worker-1"), run="run-a", tasks=two) == str(tmp_path / "worker-1")
-    grown = [*two, "worker:3"]
-    assert backup.resume_source(str(tmp_path / "worker-3"), run="run-a", tasks=grown) == str(tmp_path / "worker-3")
+def test_the_newest_step_wins_whatever_the_history_of_layouts(tmp_path, history, tasks, expected):
+    for task, steps in history:
+        _save(tmp_path, task, steps)
+    _save(tmp_path, "worker:5", [500], run="run-b")  # Another run's, with a later step: never this run's.
+    assert backup.decide(_rows(tmp_path, tasks)) == expected
     restored = _model()
-    assert backup.agree_on_resume(restored, str(tmp_path / "worker-0"), run="run-a", task="chief:0") == 10
-    backup.remove_gone(str(tmp_path / "chief-0"), run="run-a", tasks=["chief:0"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["worker-2"]  # Only the other run's is left.
+    resume = backup.agree_on_resume(restored, str(tmp_path / backup.task_dirname(tasks[0])), run="run-a",
+                                    task=tasks[0])
+    assert (resume.step, resume.meta["step"]) == (expected, expected)
+
+
+def test_own_disks_resume_at_the_newest_step_any_disk_holds(tmp_path):
+    """2 workers on own disks, preempted at 35; 1 process on host a to 101; back on 2: host a
+    reads 101 from chief-0's directory, host b holds 35 and receives 101."""
+    for host, task in (("a", "worker:0"), ("b", "worker:1")):
+        _save(tmp_path / host, task, [30, 35])
+    _save(tmp_path / "a", "chief:0", [96, 101])
+    rows = np.concatenate([_rows(tmp_path / "a", ["worker:0"]), _rows(tmp_path / "b", ["worker:1"])])
+    assert backup.decide(rows) == 101
+    assert backup.newest(str(tmp_path / "a" / "worker-0"), run="run-a").directory == str(tmp_path / "a" / "chief-0")
+
+
+def test_a_task_prefers_its_own_backup_of_the_newest_step(tmp_path):
+    first, second = _model(), _model()
+    _save(tmp_path, "worker:0", [5], model=first)
+    _save(tmp_path, "worker:1", [5], model=second)
+    found = backup.newest(str(tmp_path / "worker-1"), run="run-a")
+    assert (found.directory, found.meta["task"]) == (str(tmp_path / "worker-1"), "worker:1")
+
+
+def test_decide_refuses_another_runs_backups_in_a_tasks_own_directory(tmp_path):
+    _save(tmp_path, "worker:0", [40])
+    _save(tmp_path, "worker:1", [40], run="run-b")
+    with pytest.raises(backup.ResumeError) as raised:
+        backup.decide(_rows(tmp_path, ["worker:0", "worker:1"]))
+    assert "Cannot resume: worker:1 holds a backup of a different run" in str(raised.value)
+
+
+def test_gone_tasks_backups_go_once_a_newer_step_is_backed_up_and_fresh_start_clears_the_run(tmp_path):
+    """4 workers backed up 10; 2 resume there: worker-2/3 are read, then deleted once worker:0
+    backed up 15 (another run's beside them stay); fresh_start deletes what is left of the run."""
+    for task in ("worker:0", "worker:1", "worker:2", "worker:3"):
+        _save(tmp_path, task, [5, 10])
+    _save(tmp_path, "worker:7", [20], run="run-b")
+    two = ["worker:0", "worker:1"]
+    callback = backup.WorkerBackup(str(tmp_path / "worker-0"), run="run-a", task="worker:0", steps_per_epoch=10,
+                                   layout=two)
+    callback.set_model(_model())
+    callback.step = 10
+    callback.save()  # The resumed step itself: worker-2's 10 is as new, kept.
+    assert backup.list_backups(str(tmp_path / "worker-2"))
+    callback.step = 15
+    callback.save()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["worker-0", "worker-1", "worker-7"]
+    assert backup.clear_run(str(tmp_path / "worker-0"), run="run-a") == [5, 10, 15]
+    assert backup.newest(str(tmp_path / "worker-0"), run="run-a") is None
+    assert [b["step"] for b in backup.list_backups(str(tmp_path / "worker-7"))] == [20]
 
 
 def test_two_processes_of_one_task_never_hold_its_backups_at_once(tmp_path):

@@ -104,12 +104,8 @@ def _backup(model_dir, task, run, step=40):
 
 
 @pytest.mark.multiworker
-@pytest.mark.parametrize("worker1, error", [
-    ("disjoint", "Cannot resume: no step that every worker holds (worker:0 holds steps [40]; worker:1 holds "
-                 "steps [80])."),
-    ("foreign", "Cannot resume: worker:1 holds a backup of a different run"),
-])
-def test_backups_that_do_not_agree_stop_every_worker(tmp_path, worker1, error):
+def test_another_runs_backup_on_one_worker_stops_every_worker(tmp_path):
+    """(Backups of this run at different steps are no error: the newest wins, test_backup.py.)"""
     from cluster_runner import local_spec  # pylint: disable=import-outside-toplevel
     from cluster_runner import run_cluster  # pylint: disable=import-outside-toplevel
     from distrib_tf.train import TrainConfig  # pylint: disable=import-outside-toplevel
@@ -118,16 +114,14 @@ def test_backups_that_do_not_agree_stop_every_worker(tmp_path, worker1, error):
     flags = ["--epochs=2", "--steps_per_epoch=40"]
     run = TrainConfig(epochs=2, steps_per_epoch=40).run_id()
     _backup(model_dir, "worker-0", run)
-    if worker1 == "disjoint":  # No step in common (a worker without any gets its peers': test_run.py).
-        _backup(model_dir, "worker-1", run, step=80)
-    elif worker1 == "foreign":
-        _backup(model_dir, "worker-1", "another-run")
+    _backup(model_dir, "worker-1", "another-run")
     before = sorted((str(p), p.read_bytes()) for p in model_dir.rglob("*") if p.is_file())
     results = run_cluster(["-m", "distrib_tf.train", *flags, f"--model_dir={model_dir}"],
                           spec=local_spec(2), env={"PYTHONPATH": ROOT}, timeout=180)
     for result in results:
         assert result.returncode == 2, (result.task, result.output[-2000:])
         lines = [line for line in result.output.splitlines() if line.startswith("distrib-tf-train: error: ")]
-        assert len(lines) == 1 and error in lines[0], result.output[-2000:]
+        assert len(lines) == 1 and "Cannot resume: worker:1 holds a backup of a different run" in lines[0], (
+            result.output[-2000:])
         assert "Traceback" not in result.output
     assert sorted((str(p), p.read_bytes()) for p in model_dir.rglob("*") if p.is_file()) == before

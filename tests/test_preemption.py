@@ -156,3 +156,19 @@ def test_sigterm_to_one_worker_in_validation_ends_every_worker_with_75(tmp_path)
     for output in outputs:
         assert re.search(rf"worker:\d preempted: backed up step {2 * PHASE_STEPS} like every worker", output), (
             output[-2000:])
+
+
+def test_a_sigterm_while_a_cpp_wait_fails_ends_every_worker_with_75(tmp_path):
+    """Issue 42 item 3: a SIGTERM inside `saved()` raised `Preempted` from the signal handler
+    into whatever the main thread was in; in a barrier that a departing peer made fail, it came
+    out of TensorFlow's C++ call as `RuntimeError: pybind11::error_already_set: MISMATCH ...`,
+    exit 1. Each worker here waits in a C++ call that fails 1 s after its SIGTERM."""
+    from cluster_runner import local_spec  # pylint: disable=import-outside-toplevel
+    from cluster_runner import run_cluster  # pylint: disable=import-outside-toplevel
+
+    results = run_cluster([f"{ROOT}/tests/workers/sigterm_in_wait.py"], spec=local_spec(2),
+                          env={"PYTHONPATH": ROOT}, timeout=120)
+    for result in results:
+        assert result.returncode == 75, (result.task, result.output[-2000:])
+        assert f"{result.task} preempted: backed up step 5 like every worker" in result.output, result.output[-2000:]
+        assert "raised into the wait" not in result.output

@@ -261,6 +261,26 @@ def test_prepare_into_its_own_source_and_a_failed_prepare_leaves_out_as_it_was(t
     assert "holds files but no dataset.json" in _one_error_line(refused)
 
 
+def test_a_dataset_prepared_again_is_never_missing_and_reaches_the_disk(tmp_path, monkeypatch):
+    """Issue 42 item 9: the earlier dataset was renamed away before the new one came, a moment
+    with no `--out` for a job reading it; and nothing was synced before the renames."""
+    out = tmp_path / "d"
+    prepare.prepare("shapes", str(out), num_shards=2)
+    gaps, synced, rename = [], [], os.rename
+
+    def watched(src, dst):
+        rename(src, dst)
+        if not out.exists():
+            gaps.append((src, dst))
+
+    monkeypatch.setattr(prepare.os, "rename", watched)
+    monkeypatch.setattr(prepare.backup, "fsync", lambda path: synced.append(os.path.relpath(path, tmp_path)))
+    prepare.prepare("shapes", str(out), num_shards=4)
+    assert gaps == [] and len(records.read_meta(str(out))["files"]["train"]) == 4
+    assert "." in synced and any(path.endswith(records.META) for path in synced), synced  # Files, then the parent.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # The earlier one deleted.
+
+
 def test_an_older_dataset_json_without_a_field_is_one_line(tmp_path):
     """Before: a KeyError traceback from `prepare --dataset=tfrecord:D` of an older directory."""
     (tmp_path / "old").mkdir()

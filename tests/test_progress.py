@@ -34,6 +34,23 @@ def test_a_straggler_is_slower_than_the_median_of_the_others():
     assert stragglers({"worker:0": 0.1}, 1.5) == {}
 
 
+def test_an_epoch_resumed_after_its_start_counts_the_examples_of_its_own_steps(monkeypatch):
+    """Issue 42 item 9: the resumed epoch's rate divided a whole epoch's examples by the time of
+    its remaining steps (3 of 10 steps: 3.3 times too fast)."""
+    from distrib_tf.keras import callbacks  # pylint: disable=import-outside-toplevel
+
+    clock = iter([0.0, 1.0, 2.0, 3.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 100.0, 110.0])
+    monkeypatch.setattr(callbacks.time, "perf_counter", lambda: next(clock))
+    timer, logs = callbacks.EpochTimer(32), [{}, {}]
+    for epoch, steps in enumerate((3, 10)):  # The resumed epoch's last 3 steps, then a whole one.
+        timer.on_epoch_begin(epoch)
+        for batch in range(steps):
+            timer.on_train_batch_end(batch)
+        timer.on_epoch_end(epoch, logs[epoch])
+    assert [log["examples_per_second"] for log in logs] == [3 * 32 / 3.0, 10 * 32 / 100.0]
+    assert timer.examples == [96, 320] and timer.steady_rate() == 320 / 100.0
+
+
 def test_quiet_drops_only_tensorflows_info_warning_and_cuinit_lines():
     assert is_quieted("I0000 00:00:1796081295.668845       2 port.cc:153] oneDNN custom operations are on.")
     assert is_quieted("W0000 00:00:1796081021.146351       2 dataset.cc:997] Input of GeneratorDatasetOp")

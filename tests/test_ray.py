@@ -54,8 +54,10 @@ def cluster(tmp_path_factory):
     (base / "disk").mkdir()
     (base / "storage").mkdir()
     tag = uuid.uuid4().hex
-    env = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT, TAG_ENV: tag,
-           "RAY_USAGE_STATS_ENABLED": "0"}
+    (base / "home").mkdir()  # Not the machine's: a ~/.ray/auth_token that a local ray.init() left fails
+    # every `ray start` ("InvalidAuthToken ... RAY_AUTH_MODE is currently 'disabled'").
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_TOKEN")}, **QUIET_TF,
+           "PYTHONPATH": ROOT, TAG_ENV: tag, "RAY_USAGE_STATS_ENABLED": "0", "HOME": str(base / "home")}
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     with netns.two_hosts() as hosts:
         (head_ns, head_ip), (worker_ns, worker_ip) = hosts

@@ -144,20 +144,37 @@ def test_an_inf_in_one_workers_batch_stops_both_at_one_step_naming_it(tmp_path):
         assert "Traceback" not in result.output
 
 
-def test_rollback_under_a_schedule_goes_on(tmp_path):
+def test_rollback_under_a_schedule_goes_on_and_survives_a_restart(tmp_path):
     """An Inf read once (a bad read): the run rolls back to step 10, halves the scheduled
-    learning rate and finishes, with the same weights on both workers."""
-    results = run_cluster([SCRIPT, f"--model_dir={tmp_path / 'run'}", "--inf_at_step=12", "--flaky",
-                           "--on_nan=rollback", f"--out={tmp_path / 'out'}"], spec=local_spec(2),
-                          env={"PYTHONPATH": ROOT}, timeout=240)
+    learning rate and finishes, with the same weights on both workers. The same run
+    preempted at step 20, after the rollback, and started again ends on those weights:
+    the halved schedule and the rollback count are in the backups (issue 42 item 6: the
+    restart went on with the full schedule, and counted rollbacks from 0)."""
+    flags = ["--inf_at_step=12", "--flaky", "--on_nan=rollback"]
+
+    def run(name, *more):
+        return run_cluster([SCRIPT, f"--model_dir={tmp_path / name}", *flags, f"--out={tmp_path / name / 'out'}",
+                            *more], spec=local_spec(2), env={"PYTHONPATH": ROOT}, timeout=240)
+
+    results = run("run")
     for result in results:
         assert result.returncode == 0, (result.task, result.output[-3000:])
         rolled = [line for line in result.output.splitlines() if "Rolled back to step" in line]
         assert len(rolled) == 1 and "Non-finite loss or gradient at step 12" in rolled[0], result.output[-3000:]
         assert "Rolled back to step 10; learning rate halved to" in rolled[0]
-    seen = [json.loads((tmp_path / "out" / f"worker_{i}.json").read_text()) for i in (0, 1)]
+    seen = [json.loads((tmp_path / "run" / "out" / f"worker_{i}.json").read_text()) for i in (0, 1)]
     assert seen[0]["weights"] == seen[1]["weights"]
     assert [r["at_step"] for r in seen[0]["rollbacks"]] == [12] and seen[0]["epochs_seen"] == [1, 2, 3]
+
+    preempted = run("preempted", "--sigterm_at_step=20")
+    assert [r.returncode for r in preempted] == [75, 75], [r.output[-2000:] for r in preempted]
+    assert all("Rolled back to step 10" in r.output for r in preempted)
+    restarted = run("preempted")
+    assert [r.returncode for r in restarted] == [0, 0], [r.output[-2000:] for r in restarted]
+    assert all(re.search(r"worker:\d resumes at step 2\d ", r.output) for r in restarted), restarted[0].output[-2000:]
+    again = json.loads((tmp_path / "preempted" / "out" / "worker_0.json").read_text())
+    assert again["weights"] == seen[0]["weights"], (again["weights"], seen[0]["weights"])  # Bit-identical.
+    assert [r["at_step"] for r in again["rollbacks"]] == [12]  # Counted once, across the restart.
 
 
 def test_the_main_job_runs_a_users_model_and_data_by_name(tmp_path):
@@ -226,3 +243,73 @@ def test_a_grow_from_two_workers_to_three_the_new_one_on_an_empty_disk(tmp_path)
     print(f"2 workers preempted at step {saved}, resumed on 3 (worker:2 on an empty disk): weights {difference:.2g} "
           "(relative L2) from the uninterrupted 2-worker run")
     assert difference <= 1e-10  # The layout test's float64 bound (tests/test_train.py, LAYOUT_CASES).
+
+
+def _saved_step(text):
+    return int(re.search(r"preempted: backed up step (\d+)", text).group(1))
+
+
+def test_two_workers_then_one_process_then_two_resume_at_the_newest_step(tmp_path, uninterrupted):
+    """Issue 42: 2 workers preempted, 1 process preempted later, 2 workers again on the same
+    disk. The single process's directory (chief-0, a task the last layout does not have) holds
+    the newest step, which wins: before, each worker's own directory still held the first
+    preemption's step and they resumed there, the single process's steps dropped without a
+    word (with own disks, where nothing is deleted, test_backup.py)."""
+    model_dir = tmp_path / "run"
+    code, text = _launch(f"--model_dir={model_dir}", "--sigterm_at_step=8")
+    assert code == 75, text[-3000:]
+    first = _saved_step(text)
+    single = run_single([SCRIPT, f"--model_dir={model_dir}", "--sigterm_at_step=30", "--sigterm_task=chief:0"],
+                        env={"PYTHONPATH": ROOT},
+                        timeout=240)
+    assert single.returncode == 75 and f"chief:0 resumes at step {first} " in single.output, single.output[-3000:]
+    second = _saved_step(single.output)
+    assert first < second, (first, second)
+    assert set(finished_backups(model_dir)) == {"chief-0"}  # The workers' older states went once it backed up.
+    code, text = _launch(f"--model_dir={model_dir}")
+    assert code == 0, text[-3000:]
+    for task in ("worker:0", "worker:1"):
+        assert re.search(rf"{task} resumes at step {second} .*chief-0 \(a task this layout does not have\)", text), (
+            text[-3000:])
+    difference = weights_difference(
+        checkpoint_arrays(model_dir / "checkpoints" / "epoch003.weights.h5"),
+        checkpoint_arrays(pytest.uninterrupted_dir / "checkpoints" / "epoch003.weights.h5"))
+    print(f"2 workers preempted at step {first}, 1 process at {second}, 2 workers again: resumed at {second}; "
+          f"weights {difference:.2g} (relative L2) from the uninterrupted run")
+    assert difference <= 1e-10  # The layout test's float64 bound (tests/test_train.py, LAYOUT_CASES).
+    assert finished_backups(model_dir) == {"worker-0": [(STEPS, True)], "worker-1": [(STEPS, True)]}
+
+
+def test_a_grow_onto_an_empty_disk_waits_for_a_holder_slow_to_load(tmp_path):
+    """Issue 42 item 5: the worker with an empty disk reached the state's all-reduce at once
+    while worker:0 still loaded its backup; with a collective timeout shorter than the load,
+    the grow failed on every restart. worker:0's load takes 6 s here, the timeout is 3 s."""
+    script = os.path.join(ROOT, "tests", "workers", "slow_holder.py")
+    first = run_cluster([script, tmp_path, 1], spec=local_spec(2), env={"PYTHONPATH": ROOT}, timeout=180)
+    assert [r.returncode for r in first] == [0, 0], [r.output[-2000:] for r in first]
+    shutil.rmtree(tmp_path / "worker-1")  # Its disk replaced by an empty one.
+    grown = run_cluster([script, tmp_path, 2, "--load_seconds=6"], spec=local_spec(2), env={"PYTHONPATH": ROOT},
+                        timeout=180)
+    assert [r.returncode for r in grown] == [0, 0], [r.output[-2000:] for r in grown]
+    assert "worker:1 resumes at step 8 (epoch 2, step 0 of it) from a peer" in grown[1].output, grown[1].output[-2000:]
+    assert len({w for r in grown for w in _fingerprints(r.output).values()}) == 1
+
+
+def test_periodic_sync_preempted_between_averages_resumes_to_the_uninterrupted_weights(tmp_path):
+    """Issue 42 item 6: under `sync="every:N"` the workers' weights differ between averages. A
+    restart averaged them at its start (and again at the resumed partial epoch's end), and the
+    last backup came before the final average: the run ended elsewhere than the uninterrupted
+    one. Preempted at step 10 (backed up at 11, between the averages of steps 8 and 12)."""
+    sync = "--sync=every:4"
+    code, text = _launch(f"--model_dir={tmp_path / 'uninterrupted'}", sync)
+    assert code == 0, text[-3000:]
+    reference = _fingerprints(text)
+    assert len(set(reference.values())) == 1, reference  # The final average, on both.
+    code, text = _launch(f"--model_dir={tmp_path / 'run'}", sync, "--sigterm_at_step=10")
+    assert code == 75, text[-3000:]
+    saved = _saved_step(text)
+    assert saved % 4, saved  # Between two averages: each worker's own weights.
+    code, text = _launch(f"--model_dir={tmp_path / 'run'}", sync)
+    assert code == 0, text[-3000:]
+    assert re.search(rf"worker:\d resumes at step {saved} ", text) and "not the uninterrupted" not in text, text[-3000:]
+    assert _fingerprints(text) == reference, (_fingerprints(text), reference)  # Bit-identical, every worker.

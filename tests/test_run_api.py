@@ -155,7 +155,7 @@ def test_backups_of_the_run_are_resumed_unless_a_fresh_start_is_asked_for(tmp_pa
     run.fit(model_of(run), distrib_tf.data.from_arrays(x, y), epochs=2, global_batch_size=8, verbose=0)
     said = capsys.readouterr().out
     if fresh_start:
-        assert "chief:0 starts at step 0 (fresh_start): deleting its backups of steps [6]" in said, said
+        assert "chief:0 starts at step 0 (fresh_start): deleted the backups of steps [6] of this run in" in said, said
         assert run.summary["resumed_at_step"] == 0
     else:
         assert "chief:0 resumes at step 6 (epoch 2, step 2 of it)" in said, said

@@ -18,7 +18,9 @@ Images are decoded and resized to `image_size` in each worker's input pipeline, 
 own examples only. Labels of class folders are the classes' indices in sorted order.
 """
 
+import ctypes
 import dataclasses
+import errno
 import hashlib
 import os
 import shutil
@@ -31,6 +33,7 @@ from google.protobuf.message import DecodeError
 from distrib_tf.data import readers
 from distrib_tf.data import records
 from distrib_tf.data import registry
+from distrib_tf.keras import backup
 
 IMAGE_EXTENSIONS = (".bmp", ".gif", ".jpeg", ".jpg", ".png")
 TEST_SPLIT_NAMES = ("test", "validation", "val")
@@ -91,15 +94,40 @@ def _check_out(out_dir: str) -> None:
 
 
 def _replace_dir(staging: str, out_dir: str) -> None:
-    """`staging` becomes `out_dir`; an earlier `out_dir` is moved aside first, then deleted."""
-    old = None
-    if os.path.exists(out_dir):
-        old = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(out_dir)),
-                               prefix=f".{os.path.basename(out_dir)}.replaced-")
+    """`staging` becomes `out_dir`, synced to the disk first: a reader finds the earlier
+    dataset or the new one, never none (one atomic exchange of the two directories, Linux's
+    `renameat2(RENAME_EXCHANGE)`; where the file system has none, the earlier one is moved
+    aside first, a moment without `out_dir`). The earlier one is then deleted."""
+    for folder, _, files in os.walk(staging):
+        for name in files:
+            backup.fsync(os.path.join(folder, name))
+        backup.fsync(folder)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    if not os.path.exists(out_dir):
+        os.rename(staging, out_dir)
+    elif _exchange(staging, out_dir):
+        shutil.rmtree(staging, ignore_errors=True)  # Now the earlier dataset.
+    else:
+        old = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.replaced-")
         os.rename(out_dir, os.path.join(old, "dataset"))
-    os.rename(staging, out_dir)
-    if old is not None:
+        os.rename(staging, out_dir)
         shutil.rmtree(old, ignore_errors=True)
+    backup.fsync(parent)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swaps two paths at once (`renameat2` with `RENAME_EXCHANGE`); False where unsupported."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(error, os.strerror(error), b)
 
 
 # Registered datasets -----------------------------------------------------------------------

@@ -270,7 +270,15 @@ def main(argv=None) -> int:
 
     try:
         ray.init(address=args.address, log_to_driver=True)
-    except (ConnectionError, RuntimeError, ValueError) as e:  # Issue 33 item 8: one line, not a traceback.
+    except Exception as e:  # pylint: disable=broad-except  (one line, not a traceback: issue 33 item 8)
+        if type(e).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(e):
+            print(f"distrib-tf-ray: error: The Ray cluster at --address={args.address!r} refused this client's "
+                  f"authentication token: {str(e).splitlines()[0][:200]}. Expected the cluster's own token: set "
+                  "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to it, or move away a ~/.ray/auth_token that an earlier "
+                  "local ray.init() left.", file=sys.stderr)
+            return exit_codes.USAGE
+        if not isinstance(e, (ConnectionError, RuntimeError, ValueError)):
+            raise
         print(f"distrib-tf-ray: error: Cannot connect to the Ray cluster at --address={args.address!r}: "
               f"{str(e).splitlines()[0][:200]}. Expected a running cluster (`ray start --head`) or "
               "--address=local.", file=sys.stderr)

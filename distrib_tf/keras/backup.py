@@ -17,32 +17,37 @@ a process killed while writing leaves the previous backup whole. Both files and 
 directory are synced to the disk before the metadata counts (a machine that crashes
 cannot leave metadata pointing at weights still in its page cache), and the metadata
 holds the weights' size and SHA-256: a backup whose weights do not match is not listed,
-so every worker advertises only backups that will load, and all of them fall back to the
-newest one they all hold intact. The last `keep` backups are kept. Keras 3 saving runs
+so every worker advertises only backups that will load. The last `keep` backups are kept. Keras 3 saving runs
 no collectives, so each worker saves alone.
 
-On a start, `agree_on_resume()` gathers from every worker which steps it holds (one
-all-gather, before training) and every worker takes the same decision:
+On a start, `agree_on_resume()` gathers from every worker the newest backup of this run it
+can read (one all-gather, before training) and every worker takes the same decision: the
+newest step any of them can read. A backup of a step holds the state of that step
+whatever layout wrote it (a resume is exact: a restart reaches the same state at the same
+step), so the newest wins over any history of layouts: 2 workers, then 1 process, then 2
+again resume at the single process's last step, not at the workers' older one.
 
-- no worker holds a backup: start at step 0;
-- all hold backups of this run: resume at the latest step that all of them hold;
-- some hold backups of this run and others none (a host that lost its disk, or one added
-  to the job): the latest step that all holders hold; a worker without it gets that step's
-  state from one that has it over the collective (`share_state`), exactly;
-- otherwise (another run's, or no step in common): a `ResumeError` naming the worker and
-  what it holds, raised on every worker alike, so none hangs.
+- no worker can read a backup of this run: start at step 0;
+- a worker reads it from its own directory, or beside it from another task's (a shared
+  disk; a layout with fewer workers, or with one process, over the disk the gone tasks
+  wrote); the others get that step's state, and the backup's metadata, from one that
+  read it over the collective (`share_state`), exactly: a host that lost its disk or
+  joined the job;
+- a worker whose own directory holds another run's backups (another config or job):
+  a `ResumeError` naming it, raised on every worker alike, so none hangs.
 
-On another layout (`resume_source`): a worker whose own directory is empty reads the
-backups beside it of a task the layout no longer has, so a job preempted on 2 workers
-resumes on 1 process, or on fewer workers, over the disk they wrote; the state (the step,
-the weights, the optimizer's slots) is the same whatever the layout. A worker added on a
-disk of its own gets it from its peers, as above: no layout starts again at 0 silently.
+What is kept where: each task writes only its own directory, keeping its last 2 backups.
+The backups of tasks a layout no longer has are read, never written; a worker deletes
+those beside its own once it has backed up a newer step (`retire_gone`), and a
+`fresh_start` deletes every backup of the run it can see (`clear_run`). At a clean end
+each task keeps its last backup, marked finished (`finish`).
 
 Example:
 
     >>> callback = WorkerBackup("/tmp/run/backup/worker-0", run="3fa2c1", task="worker:0",
     ...                         every_steps=50)
-    >>> step = agree_on_resume(model, "/tmp/run/backup/worker-0", run="3fa2c1", task="worker:0")
+    >>> resume = agree_on_resume(model, "/tmp/run/backup/worker-0", run="3fa2c1", task="worker:0")
+    >>> resume.step, resume.meta["history"]
 """
 
 import fcntl
@@ -53,6 +58,7 @@ import os
 import re
 import tempfile
 import time
+from typing import NamedTuple
 
 import keras
 import numpy as np
@@ -78,17 +84,7 @@ def task_dirname(task: str) -> str:
 
 def list_backups(directory: str) -> list[dict]:
     """The complete, intact backups in `directory`, oldest first (their metadata)."""
-    found = []
-    for path in glob.glob(os.path.join(glob.escape(directory), "step-*.json")):
-        if not _NAME.search(path):
-            continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                meta = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if _intact(_weights_path(directory, meta.get("step", -1)), meta):
-            found.append(meta)
+    found = [m for m in _metadata(directory) if _intact(_weights_path(directory, m["step"]), m)]
     return sorted(found, key=lambda m: m["step"])
 
 
@@ -162,11 +158,15 @@ class WorkerBackup(keras.callbacks.Callback):
         steps_per_epoch: global steps per epoch, to record the epoch of a step.
         history: the user's logs of the epochs already finished (`{"epoch": 1, "loss": ...}`),
             to which each epoch's end adds its own.
+        layout: the layout's training tasks: once a step is backed up, the older backups
+            beside it of tasks not in it are deleted (`retire_gone`). `None`: none are.
+        rollbacks: the rollbacks so far (`{"at_step", "to_step", "learning_rate"}`), kept in
+            every backup: a restart goes on with the learning rate and the count they left.
     """
 
     def __init__(self, directory: str, *, run: str, task: str, steps_per_epoch: int,
                  every_steps: int | None = None, keep: int = 2, history: list | None = None,
-                 callbacks=(), epoch_metrics: list | None = None):
+                 callbacks=(), epoch_metrics: list | None = None, layout=None, rollbacks: list | None = None):
         super().__init__()
         self.directory, self.run, self.task = directory, run, task
         self.steps_per_epoch, self.every_steps, self.keep = steps_per_epoch, every_steps, max(keep, 2)
@@ -176,6 +176,8 @@ class WorkerBackup(keras.callbacks.Callback):
         self.callbacks = list(callbacks)  # The user's: their states go into every backup.
         self._weights: dict = {}  # What the metadata says of the step's weights, once written.
         self.epoch_metrics = epoch_metrics  # The resumed epoch's metric sums so far, restored at its start.
+        self.layout, self.retired_below = (None if layout is None else tuple(layout)), -1
+        self.rollbacks = list(rollbacks or [])
 
     def on_train_begin(self, logs=None):
         self.step = int(self.model.optimizer.iterations.numpy())
@@ -214,7 +216,8 @@ class WorkerBackup(keras.callbacks.Callback):
                 self._weights["metrics"] = metric_sums(self.model)
         meta = {"run": self.run, "step": self.step, "epoch": self.step // self.steps_per_epoch,
                 "task": self.task, **self._weights, "history": self.history,
-                "callbacks": user_view.callback_states(self.callbacks), "stopped": bool(self.model.stop_training)}
+                "callbacks": user_view.callback_states(self.callbacks), "stopped": bool(self.model.stop_training),
+                "rollbacks": self.rollbacks}
         meta_path = _meta_path(self.directory, self.step)
         with open(meta_path + ".writing", "w", encoding="utf-8") as f:
             json.dump(meta, f)
@@ -226,9 +229,10 @@ class WorkerBackup(keras.callbacks.Callback):
         self.saved_step = self.step
         events.emit("backup", step=self.step)
         for old in list_backups(self.directory)[: -self.keep]:
-            for path in (_meta_path(self.directory, old["step"]), _weights_path(self.directory, old["step"])):
-                if os.path.exists(path):
-                    os.remove(path)
+            _remove(self.directory, old["step"])
+        if self.layout is not None and self.step > self.retired_below:  # Older states of gone tasks.
+            retire_gone(self.directory, run=self.run, tasks=self.layout, below=self.step)
+            self.retired_below = self.step
 
 
 def seed_states(model) -> list:
@@ -325,11 +329,7 @@ def finish(directory: str) -> None:
     returns at once, with its History); another script's run starts over (`retire_finished`)."""
     held = list_backups(directory)
     for old in held[:-1]:
-        for path in (_meta_path(directory, old["step"]), _weights_path(directory, old["step"])):
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
+        _remove(directory, old["step"])
     if held and not held[-1].get("finished"):
         write_json_atomically(_meta_path(directory, held[-1]["step"]), {**held[-1], "finished": True})
 
@@ -344,48 +344,108 @@ def retire_finished(directory: str, *, run: str) -> list[int]:
     return [b["step"] for b in held]
 
 
-def resume_source(directory: str, *, run: str, tasks) -> str:
-    """Where this worker resumes from: its own `directory`, or, when that holds no backup,
-    the newest of this run's backups beside it of a task that is not in `tasks` (the
-    layout's training tasks): a job resumed on fewer workers, or on one process, over a
-    disk that the gone tasks wrote to. Those backups are read, never written or pruned.
+class Found(NamedTuple):
+    """A backup this worker can read: the directory that holds it, and its metadata."""
+    directory: str
+    meta: dict
+
+
+def newest(directory: str, *, run: str) -> Found | None:
+    """The newest intact backup of `run` that this worker can read: in its own `directory` or
+    beside it, any task's (at a step, every worker's state is the same: the backups of one
+    run are of one training, whatever layout wrote them). Its own at a tie. Only the
+    candidates from the newest down are checked against their SHA-256, until one is whole.
+    Backups of another run beside it are not this run's state and are left alone.
 
     Example:
 
-        >>> resume_source("runs/x/backup/chief-0", run="3fa2c1", tasks=["chief:0"])
-        'runs/x/backup/worker-0'
+        >>> newest("runs/x/backup/chief-0", run="3fa2c1")  # After 2 workers, then 1 process.
+        Found(directory='runs/x/backup/chief-0', meta={'step': 101, ...})
     """
-    if list_backups(directory):
-        return directory
-    parent, present = os.path.dirname(directory), {task_dirname(t) for t in tasks}
-    best, newest = directory, -1
-    for other in sorted(glob.glob(os.path.join(glob.escape(parent), "*"))):
-        if os.path.basename(other) in present or not os.path.isdir(other):
-            continue
-        ours = [b for b in list_backups(other) if b.get("run") == run]
-        if ours and ours[-1]["step"] > newest:
-            best, newest = other, ours[-1]["step"]
-    return best
+    candidates = []
+    parent = os.path.dirname(directory)
+    for rank, folder in enumerate([directory, *sorted(set(_siblings(parent)) - {directory})]):
+        for meta in _metadata(folder):
+            if meta.get("run") == run:
+                candidates.append((-meta["step"], rank, folder, meta))
+    for _, _, folder, meta in sorted(candidates, key=lambda c: c[:2]):
+        if _intact(_weights_path(folder, meta["step"]), meta):
+            return Found(folder, meta)
+    return None
 
 
-def remove_gone(directory: str, *, run: str, tasks) -> None:
-    """At a run's end: deletes the backups beside `directory` of this run's tasks that the
-    layout no longer has (`resume_source`), leaving any other run's alone."""
+def _siblings(parent: str) -> list[str]:
+    return [p for p in glob.glob(os.path.join(glob.escape(parent), "*")) if os.path.isdir(p)]
+
+
+def _metadata(directory: str) -> list[dict]:
+    """Every backup's metadata in `directory`, unchecked."""
+    found = []
+    for path in glob.glob(os.path.join(glob.escape(directory), "step-*.json")):
+        if _NAME.search(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    meta = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if isinstance(meta, dict) and isinstance(meta.get("step"), int):
+                found.append(meta)
+    return found
+
+
+def retire_gone(directory: str, *, run: str, tasks, below: int) -> None:
+    """Deletes, beside `directory`, the backups of `run` older than `below` of the tasks that
+    the layout (`tasks`) no longer has: once this worker has backed up `below` on the same
+    disk, they can never be the newest state again."""
     present = {task_dirname(t) for t in tasks}
-    for other in glob.glob(os.path.join(glob.escape(os.path.dirname(directory)), "*")):
-        held = list_backups(other) if os.path.isdir(other) else []
-        if os.path.basename(other) not in present and held and all(b.get("run") == run for b in held):
-            remove_backups(other)
+    for other in _siblings(os.path.dirname(directory)):
+        if os.path.basename(other) in present:
+            continue
+        for meta in _metadata(other):
+            if meta.get("run") == run and meta["step"] < below:
+                _remove(other, meta["step"])
+        try:
+            os.rmdir(other)
+        except OSError:  # Not empty (another run's backups), or gone.
+            pass
 
 
-def _describe_local(directory: str, run: str, task: str) -> np.ndarray:
+def clear_run(directory: str, *, run: str) -> list[int]:
+    """`fresh_start`: deletes every backup in `directory` (this task's own) and every backup
+    of `run` beside it (every task's this worker can see; another run's stay). Returns the
+    steps deleted."""
+    steps = []
+    for folder in {directory, *_siblings(os.path.dirname(directory))}:
+        for meta in _metadata(folder):
+            if folder == directory or meta.get("run") == run:
+                _remove(folder, meta["step"])
+                steps.append(meta["step"])
+    return sorted(set(steps))
+
+
+def _remove(directory: str, step: int) -> None:
+    """Deletes one backup, its metadata first (without it the weights are no backup). A file
+    another worker deleted first (a shared disk) is gone, as asked."""
+    for path in (_meta_path(directory, step), _weights_path(directory, step)):
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+def _describe_local(directory: str, run: str, task: str, found: Found | None) -> np.ndarray:
+    """This worker's row: `[job, index, status, newest step it can read or -1, its metadata's
+    size, whether that backup is this task's own]`."""
     job, index = task.split(":")
-    backups = list_backups(directory)
-    foreign = [b for b in backups if b.get("run") != run]
-    status = _FOREIGN if foreign else (_OURS if backups else _NONE)
-    steps = [b["step"] for b in backups][-2:]
-    steps = [-1] * (2 - len(steps)) + steps
-    return np.array([_JOB_CODES.get(job, 1), int(index), status, *steps], dtype=np.int64)
+    foreign = [m for m in _metadata(directory) if m.get("run") != run]
+    status = _FOREIGN if foreign else (_OURS if found else _NONE)
+    step, size = (found.meta["step"], len(_encode(found.meta))) if found else (-1, 0)
+    own = found is not None and found.directory == directory and found.meta.get("task") == task
+    return np.array([_JOB_CODES.get(job, 1), int(index), status, step, size, own], dtype=np.int64)
+
+
+def _encode(meta: dict) -> bytes:
+    return json.dumps(meta, sort_keys=True).encode()
 
 
 def gather_rows(strategy, row: np.ndarray) -> np.ndarray:
@@ -395,86 +455,93 @@ def gather_rows(strategy, row: np.ndarray) -> np.ndarray:
     return strategy.gather(values, axis=0).numpy()
 
 
-def agree_on_resume(model, directory: str, *, run: str, task: str, include_start: bool = False) -> int:
+class Resume(NamedTuple):
+    """Where the workers agreed to resume: the global `step` (0: a fresh start), the
+    backup's metadata (the History, the callbacks' states...; `{}` on a fresh start), the
+    directory this worker read it from (`None`: received from a worker that holds it), and
+    whether every worker read its own task's backup of the step (what periodic sync needs,
+    whose workers' weights differ between averages)."""
+    step: int
+    meta: dict
+    source: str | None
+    all_own: bool = False
+
+
+def agree_on_resume(model, directory: str, *, run: str, task: str, include_start: bool = False) -> Resume:
     """Agrees with every worker on the step to resume from, and restores it.
 
     Must be called by every worker at the same point, after `compile` and before `fit`.
-    The backup of step 0 (the starting point) is restored only with `include_start`, which
-    a rollback uses; a resume at step 0 is a fresh start. It counts as a held step all the
-    same: a worker killed while writing its first backup after the start holds step 0 only
-    while its peers hold that first backup too, and every worker starts again at 0 (this
-    failed with "holds no backup" when step 0 did not count).
+    The step is the newest any worker can read (`newest`: its own backups or those beside
+    them, any layout's); every worker that can read it loads it, and the others receive it
+    from one that did (`share_state`). The backup of step 0 (the starting point) is
+    restored only with `include_start`, which a rollback uses; a resume at step 0 is a
+    fresh start.
 
-    Returns:
-        The global step restored (0: a fresh start, nothing restored).
     Raises:
-        ResumeError: the workers' backups give no common resume point; every worker
+        ResumeError: a worker's own directory holds another run's backups; every worker
             raises the same error.
     """
     strategy = model.distribute_strategy
-    row = _describe_local(directory, run, task)
+    found = newest(directory, run=run)
+    row = _describe_local(directory, run, task, found)
     phases.enter(strategy, "agree_on_resume")  # A worker slow to start is not a dead one.
     rows = gather_rows(strategy, row)
     step = decide(rows)
-    if step or include_start:
-        with strategy.scope():
-            if not model.optimizer.built:
-                model.optimizer.build(model.trainable_variables)
-        if _holds(row, step):
-            model.load_weights(_weights_path(directory, step))
-            seeds = read_meta(directory, step).get("seeds")
-            for variable, value in zip(seed_states(model), seeds or ()):  # Older backups hold none.
-                variable.assign(np.asarray(value, dtype=variable.dtype))
-        share_state(model, rows, step, row)
-    return step
+    if not (step or include_start):
+        return Resume(0, {}, None, True)
+    with strategy.scope():
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+    holds = found is not None and found.meta["step"] == step
+    if holds:
+        model.load_weights(_weights_path(found.directory, step))
+        for variable, value in zip(seed_states(model), found.meta.get("seeds") or ()):  # Older backups hold none.
+            variable.assign(np.asarray(value, dtype=variable.dtype))
+    meta = share_state(model, rows, step, found.meta if holds else None)
+    all_own = bool(all(row[3] == step and row[5] for row in rows))
+    return Resume(step, meta, found.directory if holds else None, all_own)
 
 
 def decide(rows: np.ndarray) -> int:
-    """The resume step from every worker's `[job, index, status, step, step]` row."""
-    workers = {}
-    for job, index, status, *steps in rows.tolist():
-        name = f"{'chief' if job == 0 else 'worker'}:{index}"
-        workers[name] = (status, [s for s in steps if s >= 0])
-    if all(status == _NONE for status, _ in workers.values()):
-        return 0
-    foreign = [name for name, (status, _) in workers.items() if status == _FOREIGN]
+    """The resume step from every worker's `_describe_local` row: the newest any of them can read."""
+    foreign = [f"{'chief' if job == 0 else 'worker'}:{index}"
+               for job, index, status, *_ in rows.tolist() if status == _FOREIGN]
     if foreign:
         raise ResumeError(
             f"Cannot resume: {foreign[0]} holds a backup of a different run in its "
             "model_dir/backup/ (another config or job). Expected backups of this run only: "
             "use a new --model_dir, or remove that host's old backup."
         )
-    holding = {name: steps for name, (status, steps) in workers.items() if status == _OURS}
-    common = set.intersection(*(set(steps) for steps in holding.values()))
-    if not common:
-        held = "; ".join(f"{name} holds steps {steps}" for name, steps in holding.items())
-        raise ResumeError(f"Cannot resume: no step that every worker holds ({held}).")
-    return max(common)  # A worker that holds none gets it from one that does (`share_state`).
+    return max(0, int(rows[:, 3].max()))
 
 
-def _holds(row, step: int) -> bool:
-    return row[2] == _OURS and step in row[3:]
+def share_state(model, rows: np.ndarray, step: int, meta: dict | None) -> dict:
+    """Gives the state of `step` to every worker that cannot read it, from the first replica
+    that did: every variable of the model and its optimizer, and the backup's metadata, in
+    one all-reduce, in float64, where only that replica adds its values (exact: x + 0 is x,
+    and float32, integer counts below 2**53 and bytes pass through float64 unchanged).
+    Returns the metadata (this worker's own when it holds the step).
 
-
-def share_state(model, rows: np.ndarray, step: int, own_row: np.ndarray) -> bool:
-    """Gives the state of `step` to every worker that holds no backup of it, from the first
-    replica that does: every variable of the model and its optimizer in one all-reduce, in
-    float64, where only that replica adds its values (exact: x + 0 is x, and float32 and
-    integer counts below 2**53 pass through float64 unchanged). Returns whether it ran.
-
-    Every worker calls it at the same point with the same `rows` (one per replica).
+    Every worker calls it at the same point with the same `rows` (one per replica), the
+    holders once their backup is loaded; all meet at a barrier first, so that a collective
+    timeout does not run while a holder still loads a large model.
     """
-    holders = [r for r, row in enumerate(rows) if _holds(row, step)]
+    holders = [r for r, row in enumerate(rows) if row[3] == step]
     if len(holders) == len(rows):
-        return False
+        return meta
     strategy, source = model.distribute_strategy, holders[0]
     variables = list({id(v): v for v in [*model.variables, *model.optimizer.variables]}.values())
+    encoded = np.zeros(int(rows[source][4]), dtype=np.float64)
+    if meta is not None:
+        encoded = np.frombuffer(_encode(meta), dtype=np.uint8).astype(np.float64)
+    phases.enter(strategy, "state_loaded")
 
     @tf.function
     def summed():
         def replica_fn():
             context = tf.distribute.get_replica_context()
-            flat = tf.concat([tf.reshape(tf.cast(v.value, tf.float64), [-1]) for v in variables], 0)
+            flat = tf.concat([tf.reshape(tf.cast(v.value, tf.float64), [-1]) for v in variables]
+                             + [tf.constant(encoded)], 0)
             mine = tf.equal(context.replica_id_in_sync_group, source)
             return context.all_reduce("SUM", tf.where(mine, flat, tf.zeros_like(flat)))
         return strategy.run(replica_fn)
@@ -485,6 +552,7 @@ def share_state(model, rows: np.ndarray, step: int, own_row: np.ndarray) -> bool
         size = int(np.prod(variable.shape))
         variable.assign(flat[offset:offset + size].reshape(variable.shape).astype(variable.dtype))
         offset += size
-    if not _holds(own_row, step):
+    if meta is None:
+        meta = json.loads(flat[offset:].astype(np.uint8).tobytes())
         events.emit("state_received", step=step)
-    return True
+    return meta

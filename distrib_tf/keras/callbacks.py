@@ -59,37 +59,45 @@ class EpochTimer(keras.callbacks.Callback):
     """Records the training seconds and examples per second of every epoch into the logs.
 
     An epoch's time runs from its start to its last training step: validation and
-    epoch-end callbacks (checkpoints) are left out, so the rate is the training step's.
+    epoch-end callbacks (checkpoints) are left out, so the rate is the training step's. An
+    epoch's examples are those of the steps it ran (`examples_per_step` each): an epoch
+    resumed after its start counts only its remaining steps.
     """
 
-    def __init__(self, examples_per_epoch: int):
+    def __init__(self, examples_per_step: int):
         super().__init__()
-        self.examples_per_epoch = examples_per_epoch
+        self.examples_per_step = examples_per_step
         self.seconds: list[float] = []
+        self.examples: list[int] = []  # Each epoch's, as trained here.
+        self._steps = 0
         self.first_step_at: float | None = None  # Unix time the first step ended.
         self.ended_at: list[float] = []  # Unix time each epoch ended, validation included.
         self._start = self._last_step = 0.0
 
     def on_train_batch_end(self, batch, logs=None):
         self._last_step = time.perf_counter()
+        self._steps += 1
         if self.first_step_at is None:
             self.first_step_at = time.time()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._start = self._last_step = time.perf_counter()
+        self._steps = 0
 
     def on_epoch_end(self, epoch, logs=None):
         seconds = self._last_step - self._start
         self.seconds.append(seconds)
+        self.examples.append(self._steps * self.examples_per_step)
         self.ended_at.append(time.time())
         if logs is not None:
             logs["epoch_seconds"] = seconds
-            logs["examples_per_second"] = self.examples_per_epoch / seconds
+            logs["examples_per_second"] = self.examples[-1] / seconds
 
     def steady_rate(self) -> float | None:
         """Examples per second, leaving out the first epoch (tracing) when there are others."""
-        steady = self.seconds[1:] or self.seconds
-        return self.examples_per_epoch * len(steady) / sum(steady) if steady else None
+        first = 1 if len(self.seconds) > 1 else 0
+        seconds = sum(self.seconds[first:])
+        return sum(self.examples[first:]) / seconds if seconds else None
 
 
 class ProfileSteps(keras.callbacks.Callback):
@@ -144,21 +152,6 @@ class EpochLine(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted((logs or {}).items()))
         print(f"{self.task} epoch {epoch + 1}/{self.epochs} {metrics}", flush=True)
-
-
-def make_callbacks(model_dir: str, *, task: str, is_chief: bool, epochs: int,
-                   examples_per_epoch: int, worker_backup: keras.callbacks.Callback, run: str = ""
-                   ) -> list[keras.callbacks.Callback]:
-    """The main job's callbacks: `worker_backup` on every worker, the rest chief-only."""
-    callbacks = [
-        EpochTimer(examples_per_epoch),
-        worker_backup,
-        ChiefCheckpoint(model_dir, run),
-        keras.callbacks.TensorBoard(os.path.join(model_dir, "logs"), write_graph=False),
-    ]
-    if not is_chief:
-        callbacks.append(EpochLine(task, epochs))
-    return callbacks
 
 
 class ReportToRay(keras.callbacks.Callback):

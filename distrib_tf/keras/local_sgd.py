@@ -198,13 +198,18 @@ class PeriodicSync(keras.callbacks.Callback):
             resumed run keeps the schedule).
         outer: `"average"` or `"nesterov"` (DiLoCo's outer step).
         outer_learning_rate, outer_momentum: the outer step's, for `"nesterov"`.
+        last_step: the optimizer's iterations at the end of training, where the last
+            average comes (before that step's backup); `None`: at the end of each `fit`.
+        average_first: average once when training begins, so that workers resumed from
+            backups that are not their own start equal. A run resumed from each worker's
+            own backup goes on from its own weights, as the uninterrupted run did.
 
     After each sync, `syncs` counts them and `bytes_per_worker` adds what a ring
     all-reduce of the weights sends from each worker (2 (n-1)/n of their bytes).
     """
 
     def __init__(self, strategy, every: int, *, outer: str = "average", outer_learning_rate: float = 1.0,
-                 outer_momentum: float = 0.0):
+                 outer_momentum: float = 0.0, last_step: int | None = None, average_first: bool = True):
         super().__init__()
         if every < 1:
             raise ValueError(f"Invalid value for `every`. Received: {every}. Expected a positive integer.")
@@ -213,6 +218,7 @@ class PeriodicSync(keras.callbacks.Callback):
         self.strategy, self.every, self.outer = strategy, every, outer
         self.rate, self.momentum = outer_learning_rate, outer_momentum
         self.syncs, self.bytes_per_worker = 0, 0
+        self.last_step, self.average_first = last_step, average_first
         self._average_fn = self._anchor = self._velocity = None
 
     def set_model(self, model):
@@ -262,15 +268,19 @@ class PeriodicSync(keras.callbacks.Callback):
                                      / max(replicas, 1))
 
     def on_train_begin(self, logs=None):
-        # Equal weights first (a resumed job's workers backed up their own), then the anchor.
-        self.synchronize(outer_step=False)
-        self._anchor = [np.array(w.numpy(), copy=True) for w in self.model.weights]
-        self._velocity = [np.zeros_like(a) for a in self._anchor]
+        if self.average_first:  # Once: a later `fit` of the same training goes on from here.
+            self.synchronize(outer_step=False)
+            self.average_first = False
+        if self._anchor is None:
+            self._anchor = [np.array(w.numpy(), copy=True) for w in self.model.weights]
+            self._velocity = [np.zeros_like(a) for a in self._anchor]
 
     def on_train_batch_end(self, batch, logs=None):
-        if int(self.model.optimizer.iterations.numpy()) % self.every == 0:
+        step = int(self.model.optimizer.iterations.numpy())
+        if step % self.every == 0 or step == self.last_step:
             self.synchronize()
 
     def on_train_end(self, logs=None):
-        if int(self.model.optimizer.iterations.numpy()) % self.every:
-            self.synchronize()
+        step = int(self.model.optimizer.iterations.numpy())
+        if step % self.every and step != self.last_step and (self.last_step is None or self.model.stop_training):
+            self.synchronize()  # Ended early (a callback stopped it): the workers end equal.

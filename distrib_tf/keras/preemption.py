@@ -7,7 +7,11 @@ worker agree on the next step through the coordination service, back it up and r
 `Preempted`; between preemptions it costs nothing but a flag read per step. Outside the
 training batches (start-up, validation, a final evaluate, an export) nothing changes the
 weights, so nothing needs agreeing: inside `saved(step)`, entered once every worker's
-backup holds `step`, SIGTERM raises `Preempted` at once. The main job then exits with
+backup holds `step`, SIGTERM ends the task with 75 at once: one of several workers leaves
+from the handler itself, which never raises into the wait the main thread is in (a
+barrier or a collective whose peer just left: the exception raised into TensorFlow's C++
+call came out as `RuntimeError: pybind11::error_already_set: MISMATCH ...`, exit 1); one
+process raises `Preempted`. The main job then exits with
 `distrib_tf.exit_codes.PREEMPTED` (75), which the launcher forwards; started again, the job resumes at
 that step (`distrib_tf.keras.backup`): no step is lost.
 
@@ -22,6 +26,7 @@ Example, for a Keras user's own `fit`:
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -55,13 +60,16 @@ class Preempted(Exception):
 
 STUCK_SECONDS = 3.0  # A SIGTERM inside `saved()` that the main thread has not acted on by then.
 _task = "this task"
+_leader = False
 _leaving = False
+LEADER_LEAVES_AFTER_SECONDS = 0.5  # The coordination service's host leaves last.
 
 
-def set_task(task: str) -> None:
-    """Names this worker in the line a preemption prints (`worker:1`)."""
-    global _task
-    _task = task
+def set_task(task: str, *, leader: bool = False) -> None:
+    """Names this worker in the line a preemption prints (`worker:1`); `leader`: it hosts the
+    coordination service (the chief), and leaves a moment after the others."""
+    global _task, _leader
+    _task, _leader = task, leader
 
 
 def leaving() -> None:
@@ -98,9 +106,19 @@ def _watch_for_stuck(read_end: int) -> None:
         pass
     time.sleep(STUCK_SECONDS)
     if _saved and not _leaving:
-        told_peers()
-        print(Preempted(_saved[-1]).describe(_task), flush=True)
-        os._exit(exit_codes.PREEMPTED)
+        _leave(_saved[-1])
+
+
+def _leave(step: int | None) -> None:
+    """Ends this task with 75 at once: its backup holds `step`, like every worker's."""
+    global _leaving
+    _leaving = True
+    told_peers()
+    print(Preempted(step).describe(_task), flush=True)
+    sys.stderr.flush()
+    if _leader:
+        time.sleep(LEADER_LEAVES_AFTER_SECONDS)
+    os._exit(exit_codes.PREEMPTED)
 
 
 def install_sigterm_handler(*, outside_phases: str = "record") -> None:
@@ -156,7 +174,9 @@ def _record(signum, frame):
         _telling.append(threading.Thread(target=_set_once, args=(_peers_key, "sigterm"), daemon=True))
         _telling[-1].start()
     if _saved:
-        raise Preempted(_saved[-1])
+        if _peers_key is not None:  # Several workers: never raise into what the main thread waits in.
+            _leave(_saved[-1])
+        raise Preempted(_saved[-1])  # One process: no peer's departure can end a wait under it.
 
 
 _peers_key: str | None = None
@@ -215,7 +235,8 @@ def stop_watching() -> None:
 
 @contextlib.contextmanager
 def saved(step: int | None):
-    """Inside, a SIGTERM raises `Preempted(step)` at once (and on entry, if one came).
+    """Inside, a SIGTERM ends the task with 75 at once (and on entry, if one came): one of
+    several workers leaves from the signal handler, one process raises `Preempted(step)`.
 
     For the phases that change no weight: enter once every worker's backup holds `step`
     (`None`: before training, with the backups as they were) and keep inside only work

@@ -97,7 +97,8 @@ class Run:
         strategy, cpu_replicas, collective_timeout: passed to `make_strategy` (`kind`,
             `cpu_replicas`, `timeout_seconds`).
         fresh_start: start at step 0 even beside backups of this run (each worker deletes
-            its own, and says so); by default a run always resumes from them, on any layout.
+            its own and every backup of the run it can see, and says so); by default a run
+            always resumes from the newest of them, on any layout.
         exit_codes: leave by the exit codes of `distrib_tf.run.ending`, from the `with`
             block or an uncaught error, and end the run with the script (default: yes,
             but not in Jupyter, where `run.end()` ends it).
@@ -132,7 +133,7 @@ class Run:
         self.step = 0
         self.summary: dict = {}  # Written by the chief as `summary.json` at the end; add to it.
         self._fitted = self._ended = self._crashed = False
-        self._stages: list[tuple[str, str, str]] = []  # Each fit's backup directory, resume source, run id.
+        self._stages: list[tuple[str, str]] = []  # Each fit's backup directory and run id.
         self._held: list[int] = []  # The backup directories this process holds (`backup.hold`).
         self._schedule = None  # The user's learning-rate schedule, after a rollback replaced it.
         tf.distribute.experimental_set_strategy(self.strategy)  # The script's models are built under it.
@@ -156,7 +157,7 @@ class Run:
         preemption.watch_peers(self.strategy)  # One worker's SIGTERM, in any phase, is every worker's.
         keras.utils.set_random_seed(seed)
         self._describe_tasks()
-        preemption.set_task(self.task)
+        preemption.set_task(self.task, leader=self.is_chief)
         self.backup_dir = os.path.join(self.model_dir, "backup", backup.task_dirname(self.task))
 
     def _describe_tasks(self):
@@ -309,9 +310,8 @@ class Run:
                 preemption.check(self.step)
                 raise
         preemption.stop_watching()
-        for directory, source, run_id in reversed(self._stages):
-            if source != directory:  # Resumed on another layout: the gone tasks' go.
-                backup.remove_gone(directory, run=run_id, tasks=self.replica_tasks)
+        for directory, run_id in reversed(self._stages):
+            backup.retire_gone(directory, run=run_id, tasks=self.replica_tasks, below=2**62)  # Gone tasks' go.
             backup.finish(directory)  # Its last backup, for a rerun of the same script.
         final = self.summary.get("final") or {  # The last epoch's logs, where the script evaluated nothing.
             k: v for k, v in (self.summary.get("epochs") or [{}])[-1].items() if k != "epoch"}

@@ -65,3 +65,26 @@ def plain(optimizer, schedule):
         yield
     finally:
         inner.learning_rate = current
+
+
+def halve(run, model) -> bool:
+    """A rollback under a schedule: the optimizer's schedule halved (`run._schedule` keeps the
+    user's own for saving); False when the optimizer has a plain learning rate (a variable of
+    the optimizer: the caller assigns it, and the backups hold it)."""
+    schedule = schedule_of(model.optimizer)
+    if schedule is None:
+        return False
+    if run._schedule is None:  # pylint: disable=protected-access
+        run._schedule = schedule  # pylint: disable=protected-access
+    inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    inner.learning_rate = Scaled.halving(schedule)
+    model.train_function = model.test_function = None  # Traced into the step: traced again with it.
+    return True
+
+
+def redo(run, model, rollbacks: list) -> list:
+    """On a resume: the schedule halved once for each of the backup's `rollbacks` (a plain
+    learning rate came back with the optimizer's variables). Returns them, to go on counting."""
+    for _ in rollbacks if schedule_of(model.optimizer) is not None else ():
+        halve(run, model)
+    return list(rollbacks)

@@ -40,30 +40,25 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
         backup.make_private_dirs(run.model_dir, tighten=True)  # Every worker's: its backups live there.
         grace = float(os.environ.get(preemption.GRACE_ENV) or 60)
         run._held.append(backup.hold(backup_dir, wait_seconds=2 * grace))  # A task's old process ends first.
-        if run.fresh_start and (held := backup.list_backups(backup_dir)):
-            print(f"{run.task} starts at step 0 (fresh_start): deleting its backups of steps "
-                  f"{[b['step'] for b in held]} in {backup_dir}", flush=True)
-            backup.remove_backups(backup_dir)
-            run._held.append(backup.hold(backup_dir, wait_seconds=2 * grace))
+        if run.fresh_start and (cleared := backup.clear_run(backup_dir, run=run_id)):
+            print(f"{run.task} starts at step 0 (fresh_start): deleted the backups of steps {cleared} of "
+                  f"this run in {os.path.dirname(backup_dir)}", flush=True)
         elif retired := backup.retire_finished(backup_dir, run=run_id):
             print(f"{run.task} starts at step 0: its backup of step {retired[-1]} in {backup_dir} is a finished "
                   "run's of another script (another model, optimizer, data or batch); deleted", flush=True)
             run._held.append(backup.hold(backup_dir, wait_seconds=2 * grace))
-        source = (backup_dir if run.fresh_start else
-                  backup.resume_source(backup_dir, run=run_id, tasks=run.replica_tasks))
-        run._stages.append((backup_dir, source, run_id))
-        resumed = backup.agree_on_resume(model, source, run=run_id, task=run.task)
-    start_step = offset + resumed
-    meta = backup.read_meta(source, resumed) if resumed else {}  # What the step's backup holds beside weights.
-    if resumed:
-        moved = ("" if source == backup_dir else " (a task this layout does not have)") if (
-            backup.list_backups(source)) else " (none here: the state came from a worker that holds it)"
+        run._stages.append((backup_dir, run_id))
+        resume = backup.agree_on_resume(model, backup_dir, run=run_id, task=run.task)
+    start_step, meta = offset + resume.step, resume.meta  # What the step's backup holds beside weights.
+    rollbacks = schedules.redo(run, model, meta.get("rollbacks") or [])  # The learning rate they left.
+    if resume.step:
+        source = _described(resume.source, run.replica_tasks)
         if meta.get("finished") and (start_step >= epochs * steps or meta.get("stopped")):
-            print(f"{run.task}: fit {stage + 1} finished at step {start_step} before, in {source}{moved}: "
+            print(f"{run.task}: fit {stage + 1} finished at step {start_step} before, in {source}: "
                   "returning its History and final state (fresh_start=True trains it again)", flush=True)
         else:
             print(f"{run.task} resumes at step {start_step} (epoch {start_step // steps + 1}, "
-                  f"step {start_step % steps} of it) from {source}{moved}", flush=True)
+                  f"step {start_step % steps} of it) from {source}", flush=True)
             if isinstance(train, examples_lib.DatasetFn) or getattr(train, "skips", False):
                 print(f"{run.task} skips the first {start_step} batches of {train.name}: the same batches as "
                       "before only if it is deterministic (a seeded shuffle is)", flush=True)
@@ -72,12 +67,22 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     worker_backup = backup.WorkerBackup(
         backup_dir, run=run_id, task=run.task, steps_per_epoch=steps, every_steps=options.backup_every_steps,
         history=[h for h in meta.get("history", []) if h["epoch"] * steps <= start_step],
-        callbacks=users.callbacks, epoch_metrics=meta.get("metrics"))
-    timer = callbacks_lib.EpochTimer(steps * global_batch_size)
+        callbacks=users.callbacks, layout=run.replica_tasks, rollbacks=rollbacks,
+        epoch_metrics=meta.get("metrics") if resume.source == backup_dir else None)  # This task's own sums.
+    rollbacks = worker_backup.rollbacks  # Kept in every backup from now on.
+    timer = callbacks_lib.EpochTimer(global_batch_size)
     every = options.sync_every()
     name, rate, momentum = options.outer()
+    exact = (resume.all_own and run.strategy.num_replicas_in_sync == run.workers  # Each replica's own weights,
+             and name == "average")  # (nesterov's outer momentum and anchor live in memory).
     periodic = [] if every is None else [local_sgd.PeriodicSync(
-        run.strategy, every or steps, outer=name, outer_learning_rate=rate, outer_momentum=momentum)]
+        run.strategy, every or steps, outer=name, outer_learning_rate=rate, outer_momentum=momentum,
+        last_step=epochs * steps - offset, average_first=not (resume.step and exact))]
+    if periodic and resume.step and not exact:
+        print(f"{run.task}: periodic sync resumed from backups that are not every replica's own (another layout, "
+              "a peer's state, several replicas a worker) or with the nesterov outer step (its momentum is not "
+              "backed up): the weights are averaged first; the run is not the uninterrupted one's exactly",
+              flush=True)
     hide = user_view.HideOwnLogs()
     progbar = user_view.StageProgbar(epochs, steps)
     ours = [
@@ -97,7 +102,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     validation = None if validation_data is None else run.distribute(  # Keras reads it every epoch.
         validation_data, global_batch_size=validation_batch_size,
         one_pass=isinstance(validation_data, examples_lib.Batches))
-    history, rollbacks = {}, []
+    history = {}
     step, last_step = start_step, epochs * steps
     model.stop_training = bool(meta.get("stopped"))  # A callback ended the stage there (EarlyStopping).
     while step < last_step and not model.stop_training:
@@ -117,13 +122,17 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
                 nonfinite.name_input_culprits(e, run.strategy, run.replica_tasks, run.distribute(
                     train, global_batch_size=global_batch_size, start_step=e.step - 1, shuffle=shuffle,
                     one_pass=False))
-            if options.on_nan == "stop" or len(rollbacks) == options.max_rollbacks:
+            if e.where == "input batch" and options.on_nan == "rollback":
+                print(f"{run.task}: the NaN or Inf is in the input batch of step {e.step}: a rollback would "
+                      "train into it again; stopping (fix or filter the data)", flush=True)
+            if options.on_nan == "stop" or len(rollbacks) == options.max_rollbacks or e.where == "input batch":
                 run.step = e.step
                 raise
             step = offset + roll_back(run, model, e)
             rollbacks.append({"at_step": e.step, "to_step": step,
                               "learning_rate": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))})
-            worker_backup.saved_step = None
+            worker_backup.saved_step, worker_backup.step = None, step - offset
+            worker_backup.save()  # The step rolled back to, with the rollback: a restart goes on from it.
             worker_backup.history = [h for h in worker_backup.history if h["epoch"] * steps <= step]
             continue
         step = (fitted.epoch[-1] + 1) * steps if fitted.epoch else until * steps
@@ -179,24 +188,25 @@ def identity(run, model, train, global_batch_size: int, steps: int) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 def roll_back(run, model, error) -> int:
-    """Restores the last backup every worker holds and halves the learning rate."""
+    """Restores the newest backup and halves the learning rate."""
     optimizer = model.optimizer
     rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate)) / 2  # Before the backup restores it.
-    directory = run._stages[-1][0]
-    source = backup.resume_source(directory, run=run.run_id, tasks=run.replica_tasks)
-    step = backup.agree_on_resume(model, source, run=run.run_id, task=run.task, include_start=True)
-    schedule = schedules.schedule_of(optimizer)
-    if schedule is None:
+    step = backup.agree_on_resume(model, run._stages[-1][0], run=run.run_id, task=run.task, include_start=True).step
+    if not schedules.halve(run, model):
         optimizer.learning_rate = rate
-    else:  # Traced into the step: the step functions are traced again with the new one.
-        if run._schedule is None:
-            run._schedule = schedule
-        optimizer.learning_rate = schedules.Scaled.halving(schedule)
-        model.train_function = model.test_function = None
     print(f"{run.task} {error} Rolled back to step {step}; learning rate halved to "
           f"{float(keras.ops.convert_to_numpy(optimizer.learning_rate)):.3g}.", flush=True)
     return step
 
+
+
+def _described(source: str | None, tasks) -> str:
+    """Where a resumed state came from, for the line that says so."""
+    if source is None:
+        return "a peer (none here: the state came from a worker that holds it)"
+    if os.path.basename(source) not in {backup.task_dirname(t) for t in tasks}:
+        return f"{source} (a task this layout does not have)"
+    return source
 
 
 def _every_epoch(history: list, measured: list) -> list:

@@ -1,7 +1,7 @@
 """A Keras user's own training script on the run API (`distrib_tf.Run`), with faults to order.
 
     python tests/workers/my_script.py --model_dir=DIR [--epochs=3] [--sigterm_at_step=N]
-        [--kill_at_step=N --kill_marker=FILE] [--inf_at_step=N] [--flaky] [--on_nan=stop]
+        [--kill_at_step=N --kill_marker=FILE] [--inf_at_step=N] [--flaky] [--on_nan=stop] [--sync=every:N]
 
 The script is what a user writes (the `with distrib_tf.Run(...)` block); the fault options
 act from outside the library: a SIGTERM or SIGKILL the process sends itself after a step
@@ -97,10 +97,11 @@ def main():
     parser.add_argument("--flaky", action="store_true")
     parser.add_argument("--on_nan", default="stop")
     parser.add_argument("--global_batch_size", type=int, default=GLOBAL_BATCH)
+    parser.add_argument("--sync", default="step")
     args = parser.parse_args()
     batch = args.global_batch_size
 
-    with distrib_tf.Run(args.model_dir, seed=0, backup_every_steps=5, on_nan=args.on_nan) as run:
+    with distrib_tf.Run(args.model_dir, seed=0, backup_every_steps=5, on_nan=args.on_nan, sync=args.sync) as run:
         keras.config.set_dtype_policy("float64")
         with run.strategy.scope():
             model = my_models.build(total_steps=args.epochs * (my_models.ROWS // batch))
