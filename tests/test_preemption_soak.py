@@ -67,8 +67,10 @@ def _trials(tmp_path, count: int, seed: int) -> list[dict]:
     results = []
     for index in range(count):
         # Every other one in the first 2 s: start-up, where CI once saw worker:1 leave with 75 while
-        # worker:0 waited on for it inside the strategy (SIGKILL after the grace, 130).
-        delay = rng.uniform(0, 14) if index % 2 else rng.uniform(0, 2)
+        # worker:0 waited on for it inside the strategy (SIGKILL after the grace, 130); the others
+        # over the whole run (about 30 s here), its final evaluate, export and last barriers
+        # included (issue 42 item 3: a SIGTERM in a barrier exited 1), or after its end.
+        delay = rng.uniform(0, 40) if index % 2 else rng.uniform(0, 2)
         results.append(preempt_once(tmp_path / f"run{index}", delay))
         print(json.dumps(results[-1]), flush=True)
     return results
