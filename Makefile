@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VENV_RAY := .venv-ray
 STAMP_RAY := $(VENV_RAY)/.installed
 
-.PHONY: install train test test-fast test-compat test-ray test-engines soak bench bench-data bench-layout bench-scaling bench-sync bench-overhead bench-resize lint clean
+.PHONY: install train test test-fast test-compat test-ray test-engines soak bench bench-data bench-layout bench-scaling bench-sync bench-overhead bench-resize bench-backup lint clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -77,6 +77,10 @@ bench-overhead: $(STAMP)
 # From a restart to the first step: a resize (2 -> 1, 2 -> 3) against a restart on the new layout (benchmarks/resize.py).
 bench-resize: $(STAMP)
 	$(PY) benchmarks/resize.py
+
+# Backups of a 34.6 M-parameter model every 5 steps against epoch ends only, in the background and not (benchmarks/backups.py).
+bench-backup: $(STAMP)
+	$(PY) benchmarks/backups.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check distrib_tf tests benchmarks

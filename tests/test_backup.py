@@ -1,8 +1,10 @@
 """Per-worker backups: torn writes, and the one resume point every worker agrees on."""
 
+import functools
 import hashlib
 import json
 import os
+import threading
 
 import keras
 import numpy as np
@@ -28,29 +30,73 @@ def _callback(directory, model, every_steps=None):
     return callback
 
 
-def test_killed_while_writing_restores_the_last_good_one(tmp_path):
+def _torn(path, arrays):
+    with open(f"{path}.writing", "wb") as f:
+        f.write(np.asarray(arrays[0]).tobytes()[:100])  # Part of the state, as a SIGKILL leaves it.
+    raise KilledWhileWriting()
+
+
+def _metadata_lost(path, arrays):
+    backup.write_state.__wrapped__(path, arrays)  # The state whole, renamed into place...
+    raise KilledWhileWriting()  # ...and the process gone before its metadata.
+
+
+@pytest.mark.parametrize("moment", ["copy", "write", "metadata"])
+def test_killed_at_any_moment_of_a_backup_resumes_the_newest_whole_one(tmp_path, monkeypatch, moment):
+    """Issue 43 item 4: a process killed while the state is copied into memory (nothing
+    submitted), while the background writer writes the weights (a torn `.writing` file), or
+    between the weights' rename and the metadata: the backup of step 8 does not exist, and
+    the resume restores step 4 exactly."""
     tmp_path = tmp_path / "chief-0"  # Inside model_dir/backup/.
     model = _model()
     first = [w.copy() for w in model.get_weights()]
     callback = _callback(tmp_path, model)
     callback.step = 4
     callback.on_epoch_end(0)
-
-    def half_write(filepath, overwrite=True):
-        with open(filepath, "wb") as f:
-            f.write(b"\x89HDF\r\n\x1a\n" + b"\0" * 64)  # A torn file, as left by SIGKILL.
-        raise KilledWhileWriting()
-
-    model.save_weights = half_write
+    callback.flush()
     model.set_weights([w + 1 for w in first])
     callback.step = 8
+    if moment == "copy":
+        monkeypatch.setattr(backup, "snapshot", lambda v: (_ for _ in ()).throw(KilledWhileWriting()))
+    else:
+        write = backup.write_state
+        fault = _torn if moment == "write" else _metadata_lost
+        monkeypatch.setattr(backup, "write_state", functools.wraps(write)(fault))
     with pytest.raises(KilledWhileWriting):
         callback.on_epoch_end(1)
+        callback.flush()  # The writer's error comes out here.
     assert [b["step"] for b in backup.list_backups(str(tmp_path))] == [4]
+    assert (tmp_path / "step-000000008.state").exists() == (moment == "metadata")
     restored = _model()
     assert backup.agree_on_resume(restored, str(tmp_path), run="run-a", task="chief:0").step == 4
     for a, b in zip(restored.get_weights(), first):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_backup_waits_only_for_its_copy_and_the_next_one_for_the_write_before(tmp_path, monkeypatch):
+    """The step waits while the state is copied; the write runs on; a second backup asked for
+    while the first is written waits for it (one copy in memory at most)."""
+    tmp_path = tmp_path / "chief-0"
+    gate, write = threading.Event(), backup.write_state
+
+    def slow_write(path, arrays):
+        assert gate.wait(30)
+        return write(path, arrays)
+
+    monkeypatch.setattr(backup, "write_state", slow_write)
+    callback = _callback(tmp_path, _model())
+    callback.step = 4
+    callback.on_epoch_end(0)  # Returns with its write held back.
+    assert backup.list_backups(str(tmp_path)) == []
+    waiting = threading.Thread(target=lambda: (setattr(callback, "step", 8), callback.on_epoch_end(1)))
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive()  # The second waits for the first write.
+    gate.set()
+    waiting.join(30)
+    callback.flush()
+    assert [b["step"] for b in backup.list_backups(str(tmp_path))] == [4, 8]
+    assert len(callback.blocked_seconds) == 2 and callback.blocked_seconds[1] >= 0.5
 
 
 def test_keeps_the_last_two_and_saves_every_n_steps(tmp_path):
@@ -62,13 +108,15 @@ def test_keeps_the_last_two_and_saves_every_n_steps(tmp_path):
         callback.on_train_batch_end(batch)
         if batch % 4 == 3:
             callback.on_epoch_end(batch // 4)
+    callback.flush()
     assert [b["step"] for b in backup.list_backups(str(tmp_path))] == [6, 8]
     meta = json.loads((tmp_path / "step-000000008.json").read_text())
-    weights = tmp_path / "step-000000008.weights.h5"
-    assert meta == {"run": "run-a", "step": 8, "epoch": 2, "task": "chief:0", "bytes": weights.stat().st_size,
-                    "sha256": hashlib.sha256(weights.read_bytes()).hexdigest(), "seeds": [],
-                    "history": [{"epoch": 1}, {"epoch": 2}], "callbacks": [], "stopped": False,
-                    "rollbacks": []}  # No Dropout.
+    state = tmp_path / "step-000000008.state"
+    assert meta == {"run": "run-a", "step": 8, "epoch": 2, "task": "chief:0", "bytes": state.stat().st_size,
+                    "sha256": hashlib.sha256(state.read_bytes()).hexdigest(),
+                    "variables": backup.describe_variables(backup.state_variables(model)),
+                    "history": [{"epoch": 1}, {"epoch": 2}], "callbacks": [], "stopped": False, "rollbacks": []}
+    assert [v[0].split("/")[-1] for v in meta["variables"]] == ["kernel", "bias", "iteration", "learning_rate"]
     backup.remove_backups(str(tmp_path))
     assert not tmp_path.exists() or not list(tmp_path.iterdir())
 
@@ -86,10 +134,11 @@ def test_weights_damaged_after_a_crash_fall_back_to_the_backup_before(tmp_path, 
     model.set_weights([w + 1 for w in first])
     callback.step = 8
     callback.on_epoch_end(1)
-    weights = tmp_path / "step-000000008.weights.h5"
+    callback.flush()
+    weights = tmp_path / "step-000000008.state"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else
-                        data[:-100] + bytes([data[-100] ^ 1]) + data[-99:])
+                        data[:8] + bytes([data[8] ^ 1]) + data[9:])
     assert [b["step"] for b in backup.list_backups(str(tmp_path))] == [4]
     restored = _model()
     assert backup.agree_on_resume(restored, str(tmp_path), run="run-a", task="chief:0").step == 4
@@ -104,6 +153,7 @@ def _save(directory, task, steps, run="run-a", model=None):
     for step in steps:
         callback.step = step
         callback.save()
+    callback.flush()
     return callback
 
 
@@ -184,9 +234,11 @@ def test_gone_tasks_backups_go_once_a_newer_step_is_backed_up_and_fresh_start_cl
     callback.set_model(_model())
     callback.step = 10
     callback.save()  # The resumed step itself: worker-2's 10 is as new, kept.
+    callback.flush()
     assert backup.list_backups(str(tmp_path / "worker-2"))
     callback.step = 15
     callback.save()
+    callback.flush()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["worker-0", "worker-1", "worker-7"]
     assert backup.clear_run(str(tmp_path / "worker-0"), run="run-a") == [5, 10, 15]
     assert backup.newest(str(tmp_path / "worker-0"), run="run-a") is None

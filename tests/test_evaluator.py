@@ -28,6 +28,7 @@ def _checkpoint(model, model_dir, epoch, run):
     chief = callbacks.ChiefCheckpoint(str(model_dir), run)
     chief.set_model(model)
     chief.on_epoch_end(epoch - 1)
+    chief.on_train_end()  # Written in the background until then.
 
 
 def test_an_earlier_runs_checkpoints_are_not_evaluated_and_a_silent_chief_times_out(tmp_path):

@@ -222,7 +222,7 @@ def test_sigkill_while_a_backup_is_written_leaves_one_that_restores(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     # Killed between the weights' commit and the metadata's: step 6 is not a backup.
-    assert held.exists() and (backups / "step-000000006.weights.h5").exists()
+    assert held.exists() and (backups / "step-000000006.state").exists()
     assert not (backups / "step-000000006.json").exists()
     resumed = run_single([*args, f"--model_dir={model_dir}"], env={"PYTHONPATH": ROOT}, timeout=300)
     assert resumed.returncode == 0, resumed.output[-3000:]

@@ -40,7 +40,7 @@ def test_workers_hold_identical_weights_after_each_sync_and_differ_between(tmp_p
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "momentum"])
+@pytest.mark.parametrize("optimizer", ["sgd", pytest.param("momentum", marks=pytest.mark.slow)])  # make soak.
 def test_every_step_averaging_equals_synchronous_training_for_linear_optimizers(tmp_path, optimizer):
     """SGD's update, with or without momentum, is linear in the gradient: the mean of the
     replicas' updates is the update of the mean gradient. (Adam's is not: it squares each

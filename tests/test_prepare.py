@@ -218,6 +218,7 @@ print("done", flush=True)
 """
 
 
+@pytest.mark.slow  # 19 s: make soak (make test's time).
 def test_a_script_may_exit_while_its_pipeline_prefetches(tmp_path):
     """Without `records.ExitGuard` this aborted ('terminate called without an active exception')
     or hung in every run tried: tf.data's threads calling into Python during its finalization."""
@@ -265,7 +266,8 @@ def test_a_dataset_prepared_again_is_never_missing_and_reaches_the_disk(tmp_path
     """Issue 42 item 9: the earlier dataset was renamed away before the new one came, a moment
     with no `--out` for a job reading it; and nothing was synced before the renames."""
     out = tmp_path / "d"
-    prepare.prepare("shapes", str(out), num_shards=2)
+    _write_folder(tmp_path / "photos", per_class=3)
+    prepare.prepare(f"images:{tmp_path / 'photos'}", str(out), num_shards=2, image_size=(8, 8), test_fraction=0.3)
     gaps, synced, rename = [], [], os.rename
 
     def watched(src, dst):
@@ -275,10 +277,10 @@ def test_a_dataset_prepared_again_is_never_missing_and_reaches_the_disk(tmp_path
 
     monkeypatch.setattr(prepare.os, "rename", watched)
     monkeypatch.setattr(prepare.backup, "fsync", lambda path: synced.append(os.path.relpath(path, tmp_path)))
-    prepare.prepare("shapes", str(out), num_shards=4)
-    assert gaps == [] and len(records.read_meta(str(out))["files"]["train"]) == 4
+    prepare.prepare(f"images:{tmp_path / 'photos'}", str(out), num_shards=3, image_size=(8, 8), test_fraction=0.3)
+    assert gaps == [] and len(records.read_meta(str(out))["files"]["train"]) == 3
     assert "." in synced and any(path.endswith(records.META) for path in synced), synced  # Files, then the parent.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # The earlier one deleted.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "photos"]  # The earlier one deleted.
 
 
 def test_an_older_dataset_json_without_a_field_is_one_line(tmp_path):

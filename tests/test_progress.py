@@ -147,6 +147,7 @@ def test_one_process_writes_the_profile_of_the_steps_asked_for(tmp_path):
 
 
 @pytest.mark.multiworker
+@pytest.mark.slow  # 15 s: make soak (make test's time); the straggler rule itself: test_a_straggler_is_slower...
 def test_a_slowed_worker_is_named_a_straggler_once(tmp_path):
     """worker:1 sleeps 80 ms before every step: its own step time shows it, worker:0's
     (which waits for it in the all-reduce) does not, and the chief names it once."""

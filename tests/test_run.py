@@ -38,8 +38,8 @@ def _fingerprints(text):
     return dict(re.findall(r"(worker:\d) final weights sha256 (\w+)", text))
 
 
-def _launch(*args, extra=(), timeout=300):
-    result = subprocess.run([*LAUNCH, *extra, "--", sys.executable, SCRIPT, *map(str, args)], env=ENV,
+def _launch(*args, extra=(), timeout=300, script=SCRIPT):
+    result = subprocess.run([*LAUNCH, *extra, "--", sys.executable, script, *map(str, args)], env=ENV,
                             capture_output=True, text=True, timeout=timeout)
     return result.returncode, result.stdout + result.stderr
 
@@ -87,7 +87,8 @@ def _own_disks_cluster(tmp_path, disks, model_dir, args, timeout=300):
     return [p.returncode for p in procs], outputs
 
 
-def test_preempted_at_a_random_step_on_own_disks_resumes_to_bit_identical_weights(tmp_path, uninterrupted):
+@pytest.mark.slow  # 18 s: make soak. make test: own disks in test_a_grow_onto_an_empty_disk..., bit-identical
+def test_preempted_at_a_random_step_on_own_disks_resumes_to_bit_identical_weights(tmp_path, uninterrupted):  # resumes.
     _require_own_disks()
     model_dir = tmp_path / "run"
     disks = [tmp_path / f"disk{i}" for i in range(2)]
@@ -313,3 +314,42 @@ def test_periodic_sync_preempted_between_averages_resumes_to_the_uninterrupted_w
     assert code == 0, text[-3000:]
     assert re.search(rf"worker:\d resumes at step {saved} ", text) and "not the uninterrupted" not in text, text[-3000:]
     assert _fingerprints(text) == reference, (_fingerprints(text), reference)  # Bit-identical, every worker.
+
+
+SLOW_WRITES = os.path.join(ROOT, "tests", "workers", "slow_writes.py")
+
+
+def _in_flight(text, task):
+    """The steps whose weights `task` began writing in the background and never finished."""
+    started = re.findall(rf"\[{task}\] write of step (\d+) started", text)
+    done = set(re.findall(rf"\[{task}\] write of step (\d+) done", text))
+    return [int(s) for s in started if s not in done]
+
+
+@pytest.mark.slow  # 45 s: make soak. make test SIGTERMs one (below).
+def test_a_worker_killed_while_its_backup_is_written_resumes_from_the_newest_whole_one(tmp_path, uninterrupted):
+    """Issue 43: worker:1 SIGKILLed at step 12, its backup of step 10 still being written in
+    the background (each write takes 2 s more here): the restart resumes at the newest backup
+    whole on a disk and ends on the uninterrupted run's weights, bit for bit."""
+    code, text = _launch(f"--model_dir={tmp_path / 'run'}", "--kill_at_step=12", f"--kill_marker={tmp_path / 'k'}",
+                         extra=["--max_restarts=1", "--grace_period=10"], script=SLOW_WRITES)
+    assert code == 0, text[-3000:]
+    assert "worker:1 was killed by SIGKILL" in text and 10 in _in_flight(text.split("restart")[0], "worker:1"), (
+        text[-4000:])
+    resumed = {int(s) for s in re.findall(r"worker:\d resumes at step (\d+)", text)}
+    assert len(resumed) == 1 and resumed.pop() in (5, 10), text[-3000:]  # 10 if worker:0's own write ended.
+    assert set(_fingerprints(text).values()) == {uninterrupted}, text[-3000:]
+
+
+def test_sigterm_while_a_backup_is_written_saves_one_step_and_resumes_exactly(tmp_path, uninterrupted):
+    """Issue 43: SIGTERM to worker:1 at step 11, the backup of step 10 still being written in the
+    background: every worker agrees on step 12, writes it once 10 is whole, and exits 75; the
+    restart resumes there and ends on the uninterrupted run's weights, bit for bit."""
+    code, text = _launch(f"--model_dir={tmp_path / 'run'}", "--sigterm_at_step=11", script=SLOW_WRITES)
+    assert code == 75, text[-3000:]
+    saved = {int(s) for s in re.findall(r"preempted: backed up step (\d+) like every worker", text)}
+    assert len(saved) == 1 and 11 <= min(saved) <= 13, text[-3000:]
+    assert re.search(r"write of step 10 started(.|\n)*preempted", text), text[-3000:]  # In flight at the SIGTERM.
+    code, text = _launch(f"--model_dir={tmp_path / 'run'}")
+    assert code == 0 and re.search(rf"worker:\d resumes at step {min(saved)} ", text), text[-3000:]
+    assert set(_fingerprints(text).values()) == {uninterrupted}, text[-3000:]

@@ -50,7 +50,8 @@ def test_offline_default_trains_and_beats_chance(tmp_path, model, dataset, chanc
 
 
 @pytest.mark.multiworker
-@pytest.mark.parametrize("model, precision", [("cnn", "off"), ("transformer", "bfloat16")])
+@pytest.mark.parametrize("model, precision", [("cnn", "off"), pytest.param("transformer", "bfloat16",
+                                                                          marks=pytest.mark.slow)])  # make soak.
 def test_two_workers_write_one_summary(tmp_path, model, precision):
     model_dir = tmp_path / "run"
     results = check_ok(run_cluster([*TRAIN, f"--model={model}", f"--mixed_precision={precision}", "--epochs=2",

@@ -6,6 +6,9 @@ writes what a user reads (`checkpoints/`, `logs/`). Keras's own `ModelCheckpoint
 so a user's own callbacks get the same behaviour.
 """
 
+import glob
+import io
+import json
 import logging
 import os
 import tempfile
@@ -27,27 +30,75 @@ def checkpoint_path(model_dir: str, epoch: int) -> str:
 class ChiefCheckpoint(keras.callbacks.Callback):
     """The chief writes `checkpoints/epochNNN.weights.h5` at every epoch end, atomically.
 
-    The weights go to a temporary file that is then renamed, so a side-car evaluator
-    never reads a checkpoint half-written; then `epochNNN.json` names the run (`run`),
-    so that it never takes an earlier run's checkpoint in the same directory for this
-    one's. Other workers write nothing (Keras 3 saving runs no collectives).
+    The weights (Keras's `.weights.h5`, for `model.load_weights` and the side-car
+    evaluator) are made in memory, then written in the background (`backup.WRITER`) to a
+    temporary file that is renamed, so an evaluator never reads a checkpoint half-written;
+    then `epochNNN.json` names the run (`run`), so that it never takes an earlier run's
+    checkpoint in the same directory for this one's. Other workers write nothing (Keras 3
+    saving runs no collectives). `keep`: this run's last `keep` checkpoints stay, older ones
+    go (`None`: all stay).
     """
 
-    def __init__(self, model_dir: str, run: str = ""):
+    def __init__(self, model_dir: str, run: str = "", *, keep: int | None = None):
         super().__init__()
-        self.model_dir, self.run = model_dir, run
+        self.model_dir, self.run, self.keep = model_dir, run, keep
 
     def on_epoch_end(self, epoch, logs=None):
         if not self.model.distribute_strategy.extended.should_checkpoint:
             return
-        path = checkpoint_path(self.model_dir, epoch + 1)
+        path, image = checkpoint_path(self.model_dir, epoch + 1), weights_image(self.model)
+        backup.WRITER.submit(lambda: self._write(path, epoch + 1, image))
+
+    def on_train_end(self, logs=None):
+        backup.WRITER.wait()
+
+    def _write(self, path: str, epoch: int, image) -> None:
         backup.make_private_dirs(os.path.dirname(path))
         writing = path[: -len(".weights.h5")] + ".writing.weights.h5"
-        self.model.save_weights(writing, overwrite=True)
-        backup.fsync(writing)
+        with open(writing, "wb") as f:
+            f.write(image)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(writing, path)
         backup.fsync(os.path.dirname(path))
-        backup.write_json_atomically(checkpoint_run_path(path), {"run": self.run, "epoch": epoch + 1})
+        backup.write_json_atomically(checkpoint_run_path(path), {"run": self.run, "epoch": epoch})
+        if self.keep:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Deletes this run's checkpoints but the last `keep` (another run's are not ours)."""
+        ours = []
+        for named in glob.glob(os.path.join(glob.escape(self.model_dir), "checkpoints", "epoch*.json")):
+            try:
+                with open(named, encoding="utf-8") as f:
+                    if json.load(f).get("run") == self.run:
+                        ours.append(named)
+            except (OSError, ValueError):
+                continue
+        for named in sorted(ours)[: -self.keep]:
+            for each in (named[: -len(".json")] + ".weights.h5", named):
+                try:
+                    os.remove(each)
+                except FileNotFoundError:
+                    pass
+
+
+def weights_image(model) -> memoryview:
+    """The bytes `model.save_weights` writes (Keras's `.weights.h5`), made in memory."""
+    buffer = io.BytesIO()
+    try:
+        from keras.src.saving import saving_lib  # pylint: disable=import-outside-toplevel
+        store = saving_lib.H5IOStore(buffer, mode="w")
+        saving_lib._save_state(model, weights_store=store, assets_store=None,  # pylint: disable=protected-access
+                               inner_path="", visited_saveables=set())
+        store.close()
+    except (ImportError, AttributeError, TypeError):  # A Keras without them: through a file.
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "image.weights.h5")
+            model.save_weights(path)
+            with open(path, "rb") as f:
+                buffer = io.BytesIO(f.read())
+    return buffer.getbuffer()
 
 
 def checkpoint_run_path(path: str) -> str:

@@ -35,6 +35,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context  # The coordination service's key-value store.
 
 from distrib_tf import exit_codes
+from distrib_tf.keras import backup
 
 _requested = _installed = False
 _saved: list = []  # Innermost last: the step every worker's backup holds (`saved()`).
@@ -110,9 +111,11 @@ def _watch_for_stuck(read_end: int) -> None:
 
 
 def _leave(step: int | None) -> None:
-    """Ends this task with 75 at once: its backup holds `step`, like every worker's."""
+    """Ends this task with 75 at once: its backup holds `step`, like every worker's (once
+    the background writer has put it on the disk)."""
     global _leaving
     _leaving = True
+    _written()
     told_peers()
     print(Preempted(step).describe(_task), flush=True)
     sys.stderr.flush()
@@ -176,7 +179,18 @@ def _record(signum, frame):
     if _saved:
         if _peers_key is not None:  # Several workers: never raise into what the main thread waits in.
             _leave(_saved[-1])
+        _written()
         raise Preempted(_saved[-1])  # One process: no peer's departure can end a wait under it.
+
+
+def _written() -> None:
+    """Waits for the backups in flight (`backup.WRITER`); a task whose backup could not be
+    written did not save its state: it says so and exits 1, not 75."""
+    try:
+        backup.WRITER.wait()
+    except Exception as e:  # pylint: disable=broad-except
+        print(f"{_task}: preempted, but its backup was not written: {type(e).__name__}: {e}", flush=True)
+        os._exit(exit_codes.FAILED)
 
 
 _peers_key: str | None = None
@@ -317,6 +331,7 @@ class SaveOnPreemption(keras.callbacks.Callback):
                 self._target = step  # One process, or the other workers are gone: this step.
         if self._target is not None and step >= self._target:
             self.worker_backup.save()
+            self.worker_backup.flush()
             raise Preempted(step)
 
     def _name_step(self, target: int) -> bool:

@@ -40,11 +40,16 @@ class RunOptions:
     outer_momentum: float | None = None
     allreduce_dtype: str = "float32"
     run_id: str | None = None
+    keep_checkpoints: int | None = 3
+    backup_in_background: bool = True
 
     def __post_init__(self):
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             invalid("seed", self.seed, "an integer")
         check_positive("backup_every_steps", self.backup_every_steps)
+        check_positive("keep_checkpoints", self.keep_checkpoints)
+        if not isinstance(self.backup_in_background, bool):
+            invalid("backup_in_background", self.backup_in_background, "True or False")
         if self.on_nan not in ON_NAN:
             invalid("on_nan", self.on_nan, f"one of {', '.join(ON_NAN)}")
         if isinstance(self.max_rollbacks, bool) or not isinstance(self.max_rollbacks, int) or self.max_rollbacks < 0:

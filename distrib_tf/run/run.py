@@ -96,6 +96,11 @@ class Run:
             the seed and the sync mode.
         strategy, cpu_replicas, collective_timeout: passed to `make_strategy` (`kind`,
             `cpu_replicas`, `timeout_seconds`).
+        keep_checkpoints: the chief keeps this run's last N epoch checkpoints
+            (`checkpoints/epochNNN.weights.h5`); `None`: every epoch's.
+        backup_in_background: a backup stops training only while the state is copied into
+            memory; its files are written in the background (default). False: each backup
+            waits for its files (`distrib_tf.keras.backup`).
         fresh_start: start at step 0 even beside backups of this run (each worker deletes
             its own and every backup of the run it can see, and says so); by default a run
             always resumes from the newest of them, on any layout.
@@ -117,6 +122,7 @@ class Run:
                  outer_momentum: float | None = None, allreduce_dtype: str = "float32",
                  run_id: str | None = None, strategy: str = "auto", cpu_replicas: int | None = None,
                  collective_timeout: float | None = None, fresh_start: bool = False,
+                 keep_checkpoints: int | None = 3, backup_in_background: bool = True,
                  exit_codes: bool | None = None):
         self.exit_codes = (("ipykernel" not in sys.modules) if exit_codes is None else exit_codes)
         try:
@@ -124,7 +130,8 @@ class Run:
                         max_rollbacks=max_rollbacks, sync=sync, outer_optimizer=outer_optimizer,
                         outer_learning_rate=outer_learning_rate, outer_momentum=outer_momentum,
                         allreduce_dtype=allreduce_dtype, run_id=run_id, strategy=strategy,
-                        cpu_replicas=cpu_replicas, collective_timeout=collective_timeout)
+                        cpu_replicas=cpu_replicas, collective_timeout=collective_timeout,
+                        keep_checkpoints=keep_checkpoints, backup_in_background=backup_in_background)
         except InvalidRun as e:
             if not self.exit_codes:
                 raise
@@ -310,6 +317,7 @@ class Run:
                 preemption.check(self.step)
                 raise
         preemption.stop_watching()
+        backup.WRITER.wait()  # (Every fit's end waited for its backups already.)
         for directory, run_id in reversed(self._stages):
             backup.retire_gone(directory, run=run_id, tasks=self.replica_tasks, below=2**62)  # Gone tasks' go.
             backup.finish(directory)  # Its last backup, for a rerun of the same script.

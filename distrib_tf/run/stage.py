@@ -68,6 +68,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
         backup_dir, run=run_id, task=run.task, steps_per_epoch=steps, every_steps=options.backup_every_steps,
         history=[h for h in meta.get("history", []) if h["epoch"] * steps <= start_step],
         callbacks=users.callbacks, layout=run.replica_tasks, rollbacks=rollbacks,
+        asynchronous=options.backup_in_background,
         epoch_metrics=meta.get("metrics") if resume.source == backup_dir else None)  # This task's own sums.
     rollbacks = worker_backup.rollbacks  # Kept in every backup from now on.
     timer = callbacks_lib.EpochTimer(global_batch_size)
@@ -90,13 +91,14 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
         nonfinite.StopOnNonFinite(workers=list(run.replica_tasks), steps_per_epoch=steps),  # Before any other.
         progress.Progress(task=run.task, workers=list(run.replica_tasks), epochs=epochs,
                           steps_per_epoch=steps, global_batch_size=global_batch_size),
-        callbacks_lib.ChiefCheckpoint(run.model_dir, run_id),
         keras.callbacks.TensorBoard(os.path.join(run.model_dir, "logs"), write_graph=False),
     ]
     if not run.is_chief:
         ours.append(callbacks_lib.EpochLine(run.task, epochs))
     # The user's see each step after the NaN check and before its backup, which so holds their state.
-    every_callback = [*ours, hide, users, worker_backup, preemption.SaveOnPreemption(worker_backup), progbar]
+    checkpoint = callbacks_lib.ChiefCheckpoint(run.model_dir, run_id, keep=options.keep_checkpoints)
+    every_callback = [*ours, hide, users, worker_backup, checkpoint, preemption.SaveOnPreemption(worker_backup),
+                      progbar]
     if verbose == "auto":
         verbose = (1 if sys.stdout.isatty() else 2) if run.is_chief else 0
     validation = None if validation_data is None else run.distribute(  # Keras reads it every epoch.
@@ -118,6 +120,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
                 callbacks=every_callback, verbose=verbose, shuffle=False,  # The pipeline shuffles.
             )
         except nonfinite.NonFiniteLoss as e:
+            worker_backup.flush()
             if isinstance(train, examples_lib.Examples):
                 nonfinite.name_input_culprits(e, run.strategy, run.replica_tasks, run.distribute(
                     train, global_batch_size=global_batch_size, start_step=e.step - 1, shuffle=shuffle,
@@ -144,6 +147,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
         worker_backup.set_model(model)
         worker_backup.step = step - offset
         worker_backup.save()  # This worker's own disk holds the stage's end, for a rerun.
+        worker_backup.flush()
     for record in worker_backup.history:
         for key, value in record.items():
             if key != "epoch":
@@ -161,6 +165,10 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
         "first_step_unix_time": timer.first_step_at,
         "epoch_end_unix_times": timer.ended_at, "epoch_step_seconds": timer.seconds,
         "weights_sha256": export.weights_fingerprint(model),
+        "backups": {"count": len(worker_backup.blocked_seconds),  # What they cost the steps, and the writer.
+                    "blocked_seconds": sum(worker_backup.blocked_seconds),
+                    "in_background": options.backup_in_background,
+                    "write_seconds": backup.WRITER.write_seconds},
         "periodic_sync": {"syncs": periodic[0].syncs, "bytes_per_worker": periodic[0].bytes_per_worker}
         if periodic else None,
     })

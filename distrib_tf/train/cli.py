@@ -56,6 +56,10 @@ def define_flags():
     flags.DEFINE_float("collective_timeout", None, "Seconds before a stuck all-reduce fails.")
     flags.DEFINE_integer("backup_every_steps", None,
                          "Back up every N global steps too (default: at epoch ends only).")
+    flags.DEFINE_integer("keep_checkpoints", 3, "The chief keeps the last N epoch checkpoints "
+                         "(checkpoints/epochNNN.weights.h5) and deletes older ones.")
+    flags.DEFINE_boolean("backup_in_background", True, "Write backups in the background: a step waits only "
+                         "while the state is copied into memory.")
     flags.DEFINE_string("on_nan", "stop", "On a NaN or Inf loss: stop, or rollback to the last backup "
                         "with half the learning rate.")
     flags.DEFINE_integer("max_rollbacks", 3, "With --on_nan=rollback: roll back at most this often.")

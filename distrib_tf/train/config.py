@@ -54,6 +54,8 @@ class TrainConfig:
     profile_steps: str | None = None
     evaluator_idle_seconds: float = 3600.0
     fresh_start: bool = False
+    keep_checkpoints: int | None = 3
+    backup_in_background: bool = True
 
     @property
     def dtype_policy(self) -> str:
@@ -67,7 +69,7 @@ class TrainConfig:
             object.__setattr__(self, "dataset", DEFAULT_DATASETS.get(self.model, "shapes"))
         for name in ("epochs", "global_batch_size"):
             _check_positive_int(name, getattr(self, name))
-        for name in ("cpu_replicas", "steps_per_epoch", "backup_every_steps"):
+        for name in ("cpu_replicas", "steps_per_epoch", "backup_every_steps", "keep_checkpoints"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         if not self.learning_rate > 0:
@@ -160,7 +162,7 @@ class TrainConfig:
         fields = dataclasses.asdict(self)
         for name in ("epochs", "data_dir", "strategy", "cpu_replicas", "collective_timeout",
                      "backup_every_steps", "on_nan", "max_rollbacks", "profile_steps", "evaluator_idle_seconds",
-                     "fresh_start"):
+                     "fresh_start", "keep_checkpoints", "backup_in_background"):
             fields.pop(name)
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
