@@ -61,7 +61,7 @@ def _check(trial):
     assert len({how for _, how in trial["saved"]}) == 1, trial  # One step, agreed.
 
 
-def _trials(tmp_path, count: int, seed: int) -> list[dict]:
+def _trials(tmp_path, count: int, seed: int, *, span: float = 40) -> list[dict]:
     print(f"preemptions: {count}, seed {seed} (DISTRIB_TF_PREEMPT_SEED={seed} repeats the moments)", flush=True)
     rng = random.Random(seed)
     results = []
@@ -70,14 +70,14 @@ def _trials(tmp_path, count: int, seed: int) -> list[dict]:
         # worker:0 waited on for it inside the strategy (SIGKILL after the grace, 130); the others
         # over the whole run (about 30 s here), its final evaluate, export and last barriers
         # included (issue 42 item 3: a SIGTERM in a barrier exited 1), or after its end.
-        delay = rng.uniform(0, 40) if index % 2 else rng.uniform(0, 2)
+        delay = rng.uniform(0, span) if index % 2 else rng.uniform(0, 2)
         results.append(preempt_once(tmp_path / f"run{index}", delay))
         print(json.dumps(results[-1]), flush=True)
     return results
 
 
 def test_preemptions_at_random_moments_exit_75(tmp_path):
-    for trial in _trials(tmp_path, 2, int(os.environ.get("DISTRIB_TF_PREEMPT_SEED", os.getpid()))):
+    for trial in _trials(tmp_path, 2, int(os.environ.get("DISTRIB_TF_PREEMPT_SEED", os.getpid())), span=14):
         _check(trial)
 
 

@@ -134,9 +134,9 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
             step = offset + roll_back(run, model, e)
             rollbacks.append({"at_step": e.step, "to_step": step,
                               "learning_rate": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))})
+            worker_backup.history = [h for h in worker_backup.history if h["epoch"] * steps <= step]
             worker_backup.saved_step, worker_backup.step = None, step - offset
             worker_backup.save()  # The step rolled back to, with the rollback: a restart goes on from it.
-            worker_backup.history = [h for h in worker_backup.history if h["epoch"] * steps <= step]
             continue
         step = (fitted.epoch[-1] + 1) * steps if fitted.epoch else until * steps
         if model.stop_training and not users.last:  # Stopped by a callback in a partial epoch.
