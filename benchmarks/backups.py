@@ -45,11 +45,11 @@ def worker(args) -> None:
     import distrib_tf  # pylint: disable=import-outside-toplevel
 
     run = distrib_tf.Run(args.model_dir, backup_every_steps=args.every, backup_in_background=not args.synchronous)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(STEPS * BATCH, 2048)).astype("float32")
-    y = rng.normal(size=(STEPS * BATCH, 1)).astype("float32")
-    model = keras.Sequential([keras.Input((2048,)), keras.layers.Dense(WIDTH, activation="relu"),
-                              keras.layers.Dense(WIDTH, activation="relu"), keras.layers.Dense(WIDTH // 2),
+    rng, width, steps = np.random.default_rng(0), args.width, args.steps
+    x = rng.normal(size=(steps * BATCH, width // 2)).astype("float32")
+    y = rng.normal(size=(steps * BATCH, 1)).astype("float32")
+    model = keras.Sequential([keras.Input((width // 2,)), keras.layers.Dense(width, activation="relu"),
+                              keras.layers.Dense(width, activation="relu"), keras.layers.Dense(width // 2),
                               keras.layers.Dense(1)])
     model.compile(optimizer="adam", loss="mse")
     started = time.perf_counter()
@@ -61,9 +61,9 @@ def worker(args) -> None:
     run.end()
 
 
-def one(case: str, workers: int, folder: str) -> dict:
+def one(case: str, workers: int, folder: str, size: list) -> dict:
     model_dir = tempfile.mkdtemp(dir=folder)
-    script = [sys.executable, os.path.abspath(__file__), "--worker", f"--model_dir={model_dir}", *CASES[case]]
+    script = [sys.executable, os.path.abspath(__file__), "--worker", f"--model_dir={model_dir}", *size, *CASES[case]]
     command = script if workers == 1 else [sys.executable, "-m", "distrib_tf.launch", f"--workers={workers}",
                                            "--", *script]
     done = subprocess.run(command, env={**os.environ, **ENV_QUIET}, capture_output=True, text=True, timeout=1200)
@@ -86,22 +86,26 @@ def main():
     parser.add_argument("--repeats", type=int, default=2, help="runs of each case (default 2)")
     parser.add_argument("--layouts", default="1,2", help="numbers of workers, comma-separated (default 1,2)")
     parser.add_argument("--out", default=str(HERE / "backups.json"))
+    parser.add_argument("--width", type=int, default=WIDTH, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=STEPS, help=argparse.SUPPRESS)
+    parser.add_argument("--tiny", action="store_true", help="a toy size, to check that it runs (make soak)")
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
     layouts = [int(n) for n in args.layouts.split(",")]
+    size = ["--width=64", "--steps=10"] if args.tiny else [f"--width={args.width}", f"--steps={args.steps}"]
     runs = {(case, n): [] for n in layouts for case in CASES}
     with tempfile.TemporaryDirectory() as folder:
         for repeat in range(args.repeats):
             for n in layouts:
                 for case in CASES:  # Interleaved: every case once per repeat.
-                    runs[(case, n)].append(one(case, n, folder))
+                    runs[(case, n)].append(one(case, n, folder, size))
                     last = runs[(case, n)][-1]
                     print(f"[{repeat + 1}/{args.repeats}] {n} worker(s), {case}: fit {last['fit_seconds']:.1f} s, "
                           f"{last['backups']['count']} backups", flush=True)
     results = {"environment": environment(),
-               "parameters": runs[(next(iter(CASES)), layouts[0])][0]["parameters"], "steps": STEPS,
+               "parameters": runs[(next(iter(CASES)), layouts[0])][0]["parameters"], "steps": int(size[1][8:]),
                "global_batch": BATCH, "repeats": args.repeats, "cases": []}
     for n in layouts:
         base = statistics.median(r["fit_seconds"] for r in runs[("epoch ends", n)])
@@ -115,7 +119,7 @@ def main():
                 "ratios": [f / base for f in fit],
                 "backups": each[0]["backups"]["count"], "blocked_seconds_per_backup": _spread(blocked),
                 "write_seconds": _spread([r["backups"]["write_seconds"] for r in each])})
-    print(f"\n{results['parameters'] / 1e6:.1f} M parameters, {STEPS} steps of {BATCH}, "
+    print(f"\n{results['parameters'] / 1e6:.1f} M parameters, {results['steps']} steps of {BATCH}, "
           f"{args.repeats} runs of each case, interleaved")
     print(f"{'workers':>7}  {'case':<22} {'fit s (median, range)':<24} {'ratio':>6}  "
           f"{'backups':>7}  {'blocked s/backup (median, range)':<34} {'written in background s'}")

@@ -92,3 +92,19 @@ def test_the_overhead_ablation_runs_at_a_tiny_size(tmp_path):
     report = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "report.py"), str(tmp_path)],
                             capture_output=True, text=True, timeout=60)
     assert "## make bench-overhead" in report.stdout and "| cnn | full |" in report.stdout, report.stderr
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_the_backup_benchmark_measures_the_blocked_time_at_a_tiny_size(tmp_path):
+    out = tmp_path / "backups.json"
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "backups.py"), "--tiny",
+                             "--repeats=1", f"--out={out}"], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    rows = {(r["workers"], r["case"]): r for r in json.loads(out.read_text())["cases"]}
+    assert set(rows) == {(n, case) for n in (1, 2) for case in ("epoch ends", "every 5, background",
+                                                                 "every 5, synchronous")}
+    for (_, case), row in rows.items():
+        assert row["backups"] == (2 if case == "epoch ends" else 4), row  # The start, every 5 of 10, the end.
+        assert row["blocked_seconds_per_backup"]["median"] > 0 and row["write_seconds"]["median"] > 0, row
+        assert row["fit_seconds"]["median"] > 0 and row["ratio_to_epoch_ends"] > 0, row
