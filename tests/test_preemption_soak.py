@@ -61,14 +61,14 @@ def _check(trial):
     assert len({how for _, how in trial["saved"]}) == 1, trial  # One step, agreed.
 
 
-def _trials(tmp_path, count: int, seed: int, *, span: float = 40) -> list[dict]:
+def _trials(tmp_path, count: int, seed: int, *, span: float = 24) -> list[dict]:
     print(f"preemptions: {count}, seed {seed} (DISTRIB_TF_PREEMPT_SEED={seed} repeats the moments)", flush=True)
     rng = random.Random(seed)
     results = []
     for index in range(count):
         # Every other one in the first 2 s: start-up, where CI once saw worker:1 leave with 75 while
         # worker:0 waited on for it inside the strategy (SIGKILL after the grace, 130); the others
-        # over the whole run (about 30 s here), its final evaluate, export and last barriers
+        # over the whole run (about 20 s here), its final evaluate, export and last barriers
         # included (issue 42 item 3: a SIGTERM in a barrier exited 1), or after its end.
         delay = rng.uniform(0, span) if index % 2 else rng.uniform(0, 2)
         results.append(preempt_once(tmp_path / f"run{index}", delay))

@@ -353,3 +353,49 @@ def test_sigterm_while_a_backup_is_written_saves_one_step_and_resumes_exactly(tm
     code, text = _launch(f"--model_dir={tmp_path / 'run'}")
     assert code == 0 and re.search(rf"worker:\d resumes at step {min(saved)} ", text), text[-3000:]
     assert set(_fingerprints(text).values()) == {uninterrupted}, text[-3000:]
+
+
+def _run_on(workers, model_dir, *args):
+    """my_script on `workers` processes (the launcher; one process alone: no TF_CONFIG)."""
+    script = [sys.executable, SCRIPT, f"--model_dir={model_dir}", *map(str, args)]
+    if workers == 1:
+        result = run_single(script[1:], env={"PYTHONPATH": ROOT}, timeout=300)
+        return result.returncode, result.output
+    done = subprocess.run([sys.executable, "-m", "distrib_tf.launch", f"--workers={workers}", "--", *script],
+                          env=ENV, capture_output=True, text=True, timeout=400)
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.mark.slow  # 1 to 3 min each: make soak. make test plays 2 -> 1 -> 2 (above).
+@pytest.mark.parametrize("layouts", [(1, 2, 1), (3, 2, 3), (4, 2)])
+def test_any_sequence_of_layouts_resumes_at_the_newest_step_and_ends_on_the_uninterrupted_weights(tmp_path,
+                                                                                                   layouts):
+    """Issue 42: preempted on each layout but the last, at later and later steps, on one shared
+    disk; each start resumes at the step the one before saved (the newest), never at an older
+    one; the end is the uninterrupted 2-worker run's within the float64 layout bound; 4 -> 2
+    then run again trains nothing. A global batch of 48: 10 steps an epoch on 1 to 4 workers."""
+    batch = "--global_batch_size=48"
+    code, text = _run_on(2, tmp_path / "uninterrupted", batch)
+    assert code == 0, text[-3000:]
+    model_dir, saved = tmp_path / "run", None
+    for index, workers in enumerate(layouts):
+        last = index == len(layouts) - 1
+        fault = [] if last else [f"--sigterm_at_step={6 + 9 * index}",
+                                 f"--sigterm_task={'chief:0' if workers == 1 else 'worker:0'}"]
+        code, text = _run_on(workers, model_dir, batch, *fault)
+        assert code == (0 if last else 75), (layouts, index, text[-3000:])
+        if saved is not None:
+            resumed = {int(s) for s in re.findall(r"(?:chief|worker):\d resumes at step (\d+)", text)}
+            assert resumed == {saved}, (layouts, index, saved, text[-3000:])  # The newest, on every worker.
+        if not last:
+            saved = _saved_step(text)
+    final = [checkpoint_arrays(folder / "checkpoints" / "epoch003.weights.h5")
+             for folder in (model_dir, tmp_path / "uninterrupted")]
+    difference = weights_difference(*final)
+    print(f"{' -> '.join(map(str, layouts))}: weights {difference:.2g} (relative L2) from the uninterrupted run")
+    assert difference <= 1e-10  # The layout test's float64 bound (tests/test_train.py, LAYOUT_CASES).
+    tasks = {f"worker-{i}" for i in range(layouts[-1])} if layouts[-1] > 1 else {"chief-0"}
+    assert set(finished_backups(model_dir)) == tasks  # The other layouts' backups retired.
+    if layouts == (4, 2):
+        code, text = _run_on(2, model_dir, batch)
+        assert code == 0 and text.count("finished at step 30 before") == 2 and "resumes at" not in text, text[-3000:]
