@@ -399,15 +399,6 @@ def set_metric_sums(model, sums: list) -> None:
             part.assign(np.asarray(value, dtype=part.dtype.as_numpy_dtype).reshape(part.shape))
 
 
-def read_meta(directory: str, step: int) -> dict:
-    """The metadata of this worker's backup of `step` in `directory`, or `{}`."""
-    try:
-        with open(_meta_path(directory, step), encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
 def hold(directory: str, *, wait_seconds: float = 120.0) -> int:
     """Holds `directory` (an exclusive `flock` on the directory itself, no file added) for as
     long as this process runs, waiting up to `wait_seconds` for a process that holds it to
