@@ -39,7 +39,7 @@ oldest_tests=(
   tests/test_localsgd.py::test_workers_hold_identical_weights_after_each_sync_and_differ_between
   tests/test_nonfinite.py::test_one_workers_inf_stops_every_worker_at_the_same_step
   "tests/test_preemption.py::test_sigterm_outside_training_batches_exits_75_and_the_job_resumes[validation]"
-  tests/test_run.py::test_rollback_under_a_schedule_goes_on
+  tests/test_run.py::test_rollback_under_a_schedule_goes_on_and_survives_a_restart
 )
 oldest=${minors%% *}
 failed=()
