@@ -10,13 +10,15 @@ Example:
     >>> ...  # The Keras script as it is: its model.fit(...) gets every guarantee.
 """
 
-import importlib
-import logging
+import importlib as _importlib
+import logging as _logging
 
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import ClusterSpecError
 from distrib_tf.cluster import Task
 from distrib_tf.cluster import load_tf_config
+
+__version__ = "0.1.0"
 
 __all__ = [
     "ClusterSpec",
@@ -30,6 +32,11 @@ __all__ = [
     "TrainConfig",
     "train_and_evaluate",
     "log_to_stderr",
+    # What a script may catch (each also ends a run with its exit code: distrib_tf.run.ending).
+    "InvalidRun",
+    "Preempted",
+    "NonFiniteLoss",
+    "ResumeError",
 ]
 
 _LAZY = {
@@ -38,21 +45,25 @@ _LAZY = {
     "describe_strategy": "distrib_tf.strategy",
     "TrainConfig": "distrib_tf.train.config",
     "train_and_evaluate": "distrib_tf.train.job",
+    "InvalidRun": "distrib_tf.run.ending",
+    "Preempted": "distrib_tf.keras.preemption",
+    "NonFiniteLoss": "distrib_tf.keras.nonfinite",
+    "ResumeError": "distrib_tf.keras.backup",
 }
 
 # A library leaves handlers to the application; the CLIs call `log_to_stderr()`.
-logging.getLogger("distrib_tf").addHandler(logging.NullHandler())
+_logging.getLogger("distrib_tf").addHandler(_logging.NullHandler())
 
 
-def log_to_stderr(level: int = logging.INFO) -> None:
+def log_to_stderr(level: int = _logging.INFO) -> None:
     """Shows distrib_tf's messages as `distrib_tf: ...` lines on stderr (what the CLIs do).
 
     For a script or notebook that wants them too; idempotent.
     """
-    logger = logging.getLogger("distrib_tf")
+    logger = _logging.getLogger("distrib_tf")
     if not any(getattr(h, "_distrib_tf", False) for h in logger.handlers):
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("distrib_tf: %(message)s"))
+        handler = _logging.StreamHandler()
+        handler.setFormatter(_logging.Formatter("distrib_tf: %(message)s"))
         handler._distrib_tf = True  # pylint: disable=protected-access
         logger.addHandler(handler)
     logger.setLevel(level)
@@ -61,7 +72,12 @@ def log_to_stderr(level: int = logging.INFO) -> None:
 
 def __getattr__(name):
     if name == "data":  # The subpackage, for `distrib_tf.data.from_arrays(...)` after `import distrib_tf`.
-        return importlib.import_module("distrib_tf.data")
+        return _importlib.import_module("distrib_tf.data")
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        return getattr(_importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'distrib_tf' has no attribute {name!r}")
+
+
+def __dir__():
+    """The public names, the lazy ones included (they are imported on first use)."""
+    return sorted([*__all__, "__version__"])
