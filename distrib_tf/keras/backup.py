@@ -200,7 +200,7 @@ class Writer:
 
 
 WRITER = Writer()
-atexit.register(lambda: WRITER.wait() if WRITER._thread is not None else None)  # pylint: disable=protected-access
+atexit.register(WRITER.wait)  # A script's end waits for the backup in flight.
 
 
 def state_variables(model) -> list:
