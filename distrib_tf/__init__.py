@@ -17,6 +17,7 @@ from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import ClusterSpecError
 from distrib_tf.cluster import Task
 from distrib_tf.cluster import load_tf_config
+from distrib_tf.trial import params
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "ClusterSpecError",
     "Task",
     "load_tf_config",
+    "params",
     "Run",
     "data",
     "make_strategy",
@@ -37,6 +39,7 @@ __all__ = [
     "Preempted",
     "NonFiniteLoss",
     "ResumeError",
+    "Pruned",
 ]
 
 _LAZY = {
@@ -49,6 +52,7 @@ _LAZY = {
     "Preempted": "distrib_tf.keras.preemption",
     "NonFiniteLoss": "distrib_tf.keras.nonfinite",
     "ResumeError": "distrib_tf.keras.backup",
+    "Pruned": "distrib_tf.keras.pruning",
 }
 
 # A library leaves handlers to the application; the CLIs call `log_to_stderr()`.

@@ -7,6 +7,8 @@ all exit with these; the launcher forwards a task's, the Kubernetes and Slurm fi
 - 0 `OK`: every task succeeded.
 - 1 `FAILED`: a task failed and no restarts remain; a scheduler may retry.
 - 2 `USAGE`: bad input (a flag, a spec, a dataset), nothing lost; a retry fails again.
+- 3 `PRUNED`: a sweep pruned the trial after an epoch; every worker backed up that step
+  (a larger budget can continue it). Not retried.
 - 65 `NONFINITE` (`EX_DATAERR`): a NaN or Inf loss stopped every worker at one step; a
   retry resumes into it again.
 - 75 `PREEMPTED` (`EX_TEMPFAIL`): SIGTERM, every worker backed up one agreed step; start
@@ -20,6 +22,7 @@ No TensorFlow here.
 OK = 0
 FAILED = 1
 USAGE = 2
+PRUNED = 3
 NONFINITE = 65
 PREEMPTED = 75
 INTERRUPTED = 130
@@ -30,13 +33,13 @@ RETRYABLE_FROM = 128  # Kubeflow Training Operator's `ExitCode` policy: 128 and 
 def for_tfjob(code: int) -> int:
     """`code` as the Training Operator's `ExitCode` restart policy should read it: what a
     retry can cure (1, a crash or a dead peer; 75, preempted with state saved; 130) becomes
-    128 + code, retryable; 0, 2 (bad input) and 65 (NaN stop) stay. Pure.
+    128 + code, retryable; 0, 2 (bad input), 3 (pruned) and 65 (NaN stop) stay. Pure.
 
     Example:
 
-        >>> [for_tfjob(c) for c in (OK, FAILED, USAGE, NONFINITE, PREEMPTED, 137)]
-        [0, 129, 2, 65, 203, 137]
+        >>> [for_tfjob(c) for c in (OK, FAILED, USAGE, PRUNED, NONFINITE, PREEMPTED, 137)]
+        [0, 129, 2, 3, 65, 203, 137]
     """
-    if code in (OK, USAGE, NONFINITE) or code >= RETRYABLE_FROM:
+    if code in (OK, USAGE, PRUNED, NONFINITE) or code >= RETRYABLE_FROM:
         return code
     return RETRYABLE_FROM + code

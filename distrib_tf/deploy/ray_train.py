@@ -49,7 +49,7 @@ from distrib_tf import lifeline
 from distrib_tf.cluster import split_address
 
 LEGACY_KERAS_ENV = "TF_USE_LEGACY_KERAS"
-PERMANENT = (exit_codes.USAGE, exit_codes.NONFINITE)  # A retry fails the same way.
+PERMANENT = (exit_codes.USAGE, exit_codes.PRUNED, exit_codes.NONFINITE)  # A retry ends the same way.
 CHECKPOINT_FILES = ("model.keras", "summary.json")
 
 

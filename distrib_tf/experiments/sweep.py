@@ -1,40 +1,44 @@
-"""Hyperparameter sweeps whose trials are distributed jobs.
+"""Hyperparameter sweeps of your own script, each trial a distributed run.
 
 Usage:
 
-    python -m distrib_tf.experiments.sweep --space='learning_rate=[1e-3,3e-3] global_batch_size=[32,64]'
-        [--space_file=space.json] [--sampler=grid|random|tpe] [--trials=N]
-        [--cluster_spec=local_2workers] [--sweep_dir=runs/sweep]
-        [--metric=val_accuracy] [--mode=max] [--seed=0] [-- MORE TRAIN FLAGS]
+    distrib-tf-sweep --space='learning_rate=loguniform(1e-4,1e-2) units=[32,64]' --trials=8 \\
+        --sampler=tpe --pruner=median --metric=val_accuracy [--cluster_spec=local_4workers \\
+        --workers_per_trial=2] [--sweep_dir=runs/sweep] -- python my_script.py [ITS ARGS]
 
-Each trial is a real run of the main job (`distrib_tf.train`) through the launcher on
-the cluster spec, in its own `model_dir` (`SWEEP_DIR/trial-<id>`, the id a hash of its
-values). Where the machine has room for several trials at once (more CPUs than one
-trial has local tasks), they run side by side, each on its own free ports.
+The script declares its hyperparameters with `hp = distrib_tf.params(learning_rate=1e-3,
+units=64)` (`distrib_tf.trial`): outside a sweep they are its defaults; in a trial the
+sweep's values, the same on every worker by construction (they travel in the launcher's
+environment). Without a command after `--` (or with only flags there), the trial is the
+main job (`python -m distrib_tf.train`) and `--space` names its flags.
 
-The search space (`distrib_tf.experiments.sweep_space`): `[a,b]`, `linspace(a,b,n)`,
-`logspace(a,b,n)`, `uniform(a,b)`, `loguniform(a,b)` per flag, or a JSON file.
+Each trial is the command run by the launcher on `--workers_per_trial` local workers (or on
+every task of the cluster spec), in its own directory `SWEEP_DIR/trial-<id>` (the id a hash
+of its values), where `distrib_tf.Run` writes instead of its `model_dir`. The spec's local
+tasks are the slots: trials run side by side as many at once as fit (4 slots: two 2-worker
+trials), never two on one slot.
 
-Built on Optuna (`pip install 'distrib_tf[sweep]'`): its grid, random and TPE samplers
-choose the values, and its study in `SWEEP_DIR/study.db` (SQLite) records every trial
-with its best metric (`--mode=max|min`; 0.0 is a metric like any other) or its failure
-(the launcher's root cause, from the trial's event stream, as the trial's `cause`).
-What Optuna does not do is here: each trial is a distributed job; running the same sweep
-again keeps its finished trials, runs its failed or interrupted ones again (resumed
-from their backups) and then new ones up to the budget; Ctrl-C stops every trial and
-leaves no process behind. Results: `results.csv` and `results.json` (values, status,
-final and best metric, examples per second, wall time, root cause), sorted by the
-metric; `sweep.png` (the metric against each swept value, and the curves of the best
-trials); a table printed at the end.
-Bad input prints one line and exits with code 2 before anything starts. Exit codes: 0
-every trial finished; 1 some failed (and are recorded); 2 bad input; 130 interrupted.
+The objective is `--metric` (any metric of the run's epochs: `val_loss`, a user's metric)
+as the run's chief reported it in its `epoch` events (`distrib_tf.events`), the best epoch's
+(`--mode=max|min`). With `--pruner` (Optuna's median, successive halving or Hyperband),
+each epoch's value is reported as it arrives; a trial the pruner stops ends on every worker
+at that epoch's end with exit code 3 (`distrib_tf.keras.pruning`), its state kept.
+
+Built on Optuna (`pip install 'distrib_tf[sweep]'`), whose study in `SWEEP_DIR/study.db`
+(SQLite) records every trial. The sweep survives anything: its own process killed (its
+trials then back up and stop: their launchers die with it), the same command goes on:
+finished and pruned trials stay, an interrupted one resumes from its backups at its step,
+the sampler goes on (seeded by the trials so far), and a grid runs in the order written.
+A trial that fails for its own reason (a NaN, a bad value) is recorded with its cause and
+the sweep goes on. Results (`distrib_tf.experiments.sweep_results`): `results.csv`, a live
+line, and `sweep.png`. Bad input prints one line and exits 2 before anything starts. Exit
+codes: 0 every trial finished or was pruned; 1 some failed; 2 bad input; 130 interrupted.
 
 This module imports no TensorFlow.
 """
 
-import csv
 import dataclasses
-import hashlib
+import itertools
 import json
 import math
 import os
@@ -48,13 +52,18 @@ import time
 from distrib_tf import argparsing
 from distrib_tf import events
 from distrib_tf import exit_codes
-from distrib_tf import launch
+from distrib_tf import lifeline
+from distrib_tf import trial as trial_lib
 from distrib_tf.cluster import ClusterSpec
+from distrib_tf.experiments import sweep_results
 from distrib_tf.experiments.sweep_space import SWEEPABLE
 from distrib_tf.experiments.sweep_space import Dimension
 from distrib_tf.experiments.sweep_space import grid_size
 from distrib_tf.experiments.sweep_space import parse_space
 from distrib_tf.experiments.sweep_space import suggest
+
+PRUNERS = ("none", "median", "halving", "hyperband")
+CHIEFS = sweep_results.CHIEFS
 
 
 def _optuna():
@@ -67,62 +76,108 @@ def _optuna():
     return optuna
 
 
-def open_study(sweep_dir: str, space: list[Dimension], *, sampler: str, seed: int, mode: str):
-    """The sweep's Optuna study, in `sweep_dir/study.db` (SQLite): created, or loaded to resume."""
+def make_pruner(name: str, *, startup_trials: int = 2, warmup_epochs: int = 0):
+    """Optuna's pruner called `name` (`PRUNERS`)."""
+    pruners = _optuna().pruners
+    return {"none": pruners.NopPruner,
+            "median": lambda: pruners.MedianPruner(n_startup_trials=startup_trials, n_warmup_steps=warmup_epochs),
+            "halving": lambda: pruners.SuccessiveHalvingPruner(min_resource=max(1, warmup_epochs)),
+            "hyperband": lambda: pruners.HyperbandPruner(min_resource=max(1, warmup_epochs))}[name]()
+
+
+def open_study(sweep_dir: str, space: list[Dimension], *, sampler: str, seed: int, mode: str,
+               pruner: str = "none", startup_trials: int = 2, warmup_epochs: int = 0):
+    """The sweep's Optuna study, in `sweep_dir/study.db` (SQLite): created, or loaded to go on.
+
+    A grid is enqueued once, in the order written (the last name varies fastest); a random
+    or TPE sampler is seeded with `seed` plus the trials the study holds, so that a sweep
+    started again goes on drawing instead of repeating its first values.
+    """
     optuna = _optuna()
-    class Grid(optuna.samplers.GridSampler):
-        def after_trial(self, study, trial, state, values):
-            """Never stops the study: the sweep's budget counts the failed trials it retries."""
-
-    samplers = {"grid": lambda: Grid({d.name: list(d.values) for d in space}, seed=seed),
-                "random": lambda: optuna.samplers.RandomSampler(seed=seed),
-                "tpe": lambda: optuna.samplers.TPESampler(seed=seed)}
     storage = "sqlite:///" + os.path.abspath(os.path.join(sweep_dir, "study.db"))
-    return optuna.create_study(study_name="distrib_tf", storage=storage, load_if_exists=True,
-                               sampler=samplers[sampler](), direction="maximize" if mode == "max" else "minimize")
-
-
-def trial_id(values: dict) -> str:
-    return hashlib.sha1(json.dumps(values, sort_keys=True).encode()).hexdigest()[:10]
+    study = optuna.create_study(study_name="distrib_tf", storage=storage, load_if_exists=True,
+                                direction="maximize" if mode == "max" else "minimize",
+                                pruner=make_pruner(pruner, startup_trials=startup_trials, warmup_epochs=warmup_epochs))
+    so_far = len(study.get_trials(deepcopy=False))
+    study.sampler = (optuna.samplers.TPESampler if sampler == "tpe" else optuna.samplers.RandomSampler)(
+        seed=seed + so_far)
+    if sampler == "grid" and not so_far:
+        for point in itertools.product(*(d.values for d in space)):
+            study.enqueue_trial(dict(zip([d.name for d in space], point)))
+    return study
 
 
 @dataclasses.dataclass
 class Trial:
+    number: int
     values: dict
     model_dir: str
-    asked: object = None  # The Optuna trial, while it runs.
     status: str = "pending"
     cause: str = ""
-    summary: dict | None = None
-    seconds: float = 0.0
+    curve: dict = dataclasses.field(default_factory=dict)  # Epoch -> the metric, from the events.
+    epochs: int = 0
+    step: str = ""
     proc: subprocess.Popen | None = None
     started: float = 0.0
-    log: object = None
 
     @property
     def id(self) -> str:
-        return trial_id(self.values)
+        return sweep_results.trial_id(self.values)
 
 
-def _flags(values: dict) -> list[str]:
-    return [f"--{name}={value}" for name, value in values.items()]
+class _TrialFailed(Exception):
+    """A trial that ended without its metric: Optuna records it as failed."""
 
 
-def _start(trial: Trial, *, cluster_spec: str, extra: list[str]):
-    os.makedirs(trial.model_dir, exist_ok=True)
-    trial.log = open(os.path.join(trial.model_dir, "trial.log"), "a", encoding="utf-8")
-    command = launch.command_line(
-        cluster_spec, launch.main_job_command(trial.model_dir, [*extra, *_flags(trial.values)]),
-        grace_period=5, events=os.path.join(trial.model_dir, "events.jsonl"))
-    trial.log.write(f"$ {shlex.join(command)}\n")
-    trial.log.flush()
-    trial.proc = subprocess.Popen(command, stdout=trial.log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-    trial.started, trial.status = time.monotonic(), "running"
+@dataclasses.dataclass
+class Sweep:
+    """What every trial of a sweep shares."""
+
+    space: list[Dimension]
+    sweep_dir: str
+    command: list[str]  # The trial's program: the user's script, or the main job.
+    where: list[str]  # The launcher's flags that say on what the trial runs.
+    metric: str
+    mode: str
+    prunes: bool
+    say: object = print
+
+    def launch(self, trial: Trial) -> None:
+        os.makedirs(trial.model_dir, exist_ok=True)
+        log = open(os.path.join(trial.model_dir, "trial.log"), "a", encoding="utf-8")  # pylint: disable=consider-using-with
+        command = [sys.executable, "-m", "distrib_tf.launch", *self.where, "--grace_period=10",
+                   f"--events={os.path.join(trial.model_dir, 'events.jsonl')}", "--", *self.command]
+        log.write(f"$ {shlex.join(command)}\n")
+        log.flush()
+        env = {**os.environ, lifeline.PARENT_ENV: str(os.getpid()),  # It backs up and stops when the sweep dies.
+               trial_lib.ENV: json.dumps({"number": trial.number, "params": trial.values, "dir": trial.model_dir,
+                                          "prune": self.prunes})}
+        trial.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        trial.started, trial.status = time.monotonic(), "running"
+
+    def follow(self, trial: Trial, asked, follower, board) -> None:
+        """Reports each new epoch's metric to Optuna and writes the pruner's word on it."""
+        for event in follower():
+            if event["event"] == "progress" and event.get("task") in CHIEFS:
+                trial.step = f"epoch {event['epoch']}/{event['epochs']} step {event['step']}/{event['steps']}"
+            if event["event"] != "epoch" or event.get("task") not in CHIEFS or event["epoch"] in trial.curve:
+                continue
+            value = event.get("metrics", {}).get(self.metric)
+            trial.epochs = event.get("epochs", trial.epochs)
+            if value is None or not math.isfinite(value):
+                continue
+            trial.curve[event["epoch"]] = value
+            asked.report(value, event["epoch"])
+            decided = os.path.exists(os.path.join(trial.model_dir, trial_lib.DECISIONS, f"epoch-{event['epoch']}"))
+            if self.prunes and not decided:  # An epoch of an earlier attempt keeps its word.
+                prune = asked.should_prune()
+                trial_lib.write_decision(trial.model_dir, event["epoch"], prune)
+            board.epoch(trial, event["epoch"], value)
 
 
 def _root_cause(model_dir: str) -> str:
-    """The launcher's root cause from the trial's event stream (`distrib_tf.events`)."""
+    """The launcher's root cause from the trial's event stream, or the log's last line."""
     ends = [e for e in events.read(os.path.join(model_dir, "events.jsonl")) if e["event"] == "job_end"]
     if ends and ends[-1].get("root_cause"):
         return ends[-1]["root_cause"][:300]
@@ -131,241 +186,236 @@ def _root_cause(model_dir: str) -> str:
     return lines[-1][:300] if lines else "no output"  # Bad input: the launcher's one line.
 
 
-def _finish(trial: Trial):
-    code = trial.proc.wait()
-    trial.log.close()
-    trial.seconds = time.monotonic() - trial.started
-    trial.summary = _read_summary(trial.model_dir) if code == 0 else None
-    if trial.summary is not None:
-        trial.status = "finished"
-    else:
-        trial.status, trial.cause = "failed", _root_cause(trial.model_dir)
+def _leftovers(study, optuna) -> tuple[list, list[dict]]:
+    """The trials that count against the budget, and the values of interrupted ones to run
+    again. A trial left running by a sweep that was killed is told failed (it has no cause:
+    interrupted), and its values run again, resumed from their backups."""
+    states = optuna.trial.TrialState
+    for old in study.get_trials(deepcopy=False, states=(states.RUNNING,)):
+        study.tell(old.number, state=states.FAIL)
+    trials = study.get_trials(deepcopy=False)
+    done = [t for t in trials if t.state in (states.COMPLETE, states.PRUNED)
+            or (t.state == states.FAIL and "cause" in t.user_attrs)]
+    covered = [t.params for t in done] + [t.params for t in trials if t.state == states.WAITING]
+    retry = []
+    for t in trials:
+        if t.state == states.FAIL and "cause" not in t.user_attrs and t.params not in covered + retry and t.params:
+            retry.append(t.params)
+    return done, retry
 
 
-class _TrialFailed(Exception):
-    """A trial that ended without its metric: Optuna records it as failed."""
+def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> bool:
+    """Runs `study` up to `total` trials, `parallel` at a time, each a distributed run.
 
-
-def run_sweep(study, space: list[Dimension], *, total: int, sweep_dir: str, cluster_spec: str,
-              extra: list[str], parallel: int, metric: str, mode: str, say=print) -> list[Trial]:
-    """Runs `study` up to `total` trials, `parallel` at a time, each a distributed job.
-
-    A study resumed from its storage keeps its finished trials; its failed or interrupted
-    ones run again first (resumed from their backups), then new ones fill the budget.
-    Optuna's `optimize` runs each trial in a thread that waits for its launcher, and is
-    told the trial's best `metric`, or that it failed (the root cause kept as `cause`).
-
-    Raises:
-        KeyboardInterrupt: on Ctrl-C, once every running trial has stopped.
+    Returns whether it ran to the end (False: interrupted by Ctrl-C or SIGTERM, once every
+    running trial has backed up and stopped).
     """
     optuna = _optuna()
-    trials, retry = [], []
-    for old in study.get_trials(deepcopy=False):
-        values = {d.name: old.params[d.name] for d in space if d.name in old.params}
-        if old.state == optuna.trial.TrialState.COMPLETE:
-            trial = Trial(values, _trial_dir(sweep_dir, values), status="finished")
-            trial.summary = _read_summary(trial.model_dir)
-            trials.append(trial)
-            say(f"trial {trial.id} {values}: finished before, skipped")
-        elif len(values) == len(space) and values not in retry:  # Failed, or its sweep was killed.
-            retry.append(values)
+    done, retry = _leftovers(study, optuna)
     for values in retry:
-        if values not in [t.values for t in trials]:
-            study.enqueue_trial(values)
+        study.enqueue_trial(values)
+    ended = {sweep_results.trial_id(t.params): (t.state.name, t.value, t.number) for t in done}
     running: dict[int, Trial] = {}
     lock, stopping = threading.RLock(), threading.Event()
 
     def objective(asked):
-        values = suggest(asked, space)
-        trial = Trial(values, _trial_dir(sweep_dir, values), asked)
+        values = suggest(asked, sweep.space)
+        trial = Trial(asked.number, values, os.path.join(sweep.sweep_dir, f"trial-{sweep_results.trial_id(values)}"))
+        if trial.id in ended:  # A draw that repeats an ended trial: its result, not a second run.
+            state, value, number = ended[trial.id]
+            sweep.say(f"trial {trial.number} {values}: the same as trial {number}, not run again")
+            asked.set_user_attr("same_as", number)
+            if state == "PRUNED":
+                raise optuna.TrialPruned()
+            if state != "COMPLETE":
+                asked.set_user_attr("cause", f"the same as trial {number}")
+                raise _TrialFailed()
+            return value
+        asked.set_user_attr("dir", trial.model_dir)
         resumed = os.path.isdir(os.path.join(trial.model_dir, "backup"))
         with lock:
             if stopping.is_set():
                 study.stop()
                 raise _TrialFailed("the sweep was interrupted")
-            _start(trial, cluster_spec=cluster_spec, extra=extra)
+            sweep.launch(trial)
             running[asked.number] = trial
-        say(f"trial {trial.id} {values}: {'resumed' if resumed else 'started'}")
-        trial.proc.wait()
+        board.started(trial, resumed)
+        follower = events.Follower(os.path.join(trial.model_dir, "events.jsonl"))
+        while trial.proc.poll() is None:
+            sweep.follow(trial, asked, follower, board)
+            time.sleep(0.2)
+        sweep.follow(trial, asked, follower, board)
+        code = trial.proc.returncode
         with lock:
             del running[asked.number]
-            _finish(trial)
-            trials.append(trial)
-        if stopping.is_set():
+        seconds = time.monotonic() - trial.started
+        best = sweep_results.best(trial.curve, sweep.mode)
+        if code == exit_codes.PRUNED:
+            trial.status = "pruned"
+        elif code == exit_codes.OK and best is not None:
+            trial.status = "finished"
+        elif stopping.is_set() or code in (exit_codes.PREEMPTED, exit_codes.INTERRUPTED):
             trial.status = "interrupted"
+        else:
+            trial.status = "failed"
+            trial.cause = _root_cause(trial.model_dir) if code else (
+                f"no {sweep.metric} in its epochs (the metrics its chief reported: "
+                f"{', '.join(_reported(trial)) or 'none'})")
+        board.ended(trial, seconds)
+        if trial.status == "interrupted":
             study.stop()
-            raise _TrialFailed("the sweep was interrupted")
-        say(f"trial {trial.id}: {trial.status} in {trial.seconds:.0f} s" + (f" ({trial.cause})" if trial.cause else ""))
-        value = _row(trial, metric, mode)[f"best_{metric}"]
-        if trial.status == "finished" and value is not None:  # 0.0 is a metric like any other.
-            return value
-        asked.set_user_attr("cause", trial.cause or f"no {metric} in its summary")
-        raise _TrialFailed(trial.cause)
+            raise _TrialFailed("interrupted")
+        ended[trial.id] = ({"pruned": "PRUNED", "failed": "FAIL"}.get(trial.status, "COMPLETE"), best, trial.number)
+        if trial.status == "pruned":
+            raise optuna.TrialPruned()
+        if trial.status == "failed":
+            asked.set_user_attr("cause", trial.cause)
+            raise _TrialFailed(trial.cause)
+        return best
 
     def interrupt(signum, frame):
         stopping.set()
         with lock:
             for trial in running.values():
-                os.killpg(trial.proc.pid, signal.SIGINT)  # The launcher stops its tasks.
+                os.killpg(trial.proc.pid, signal.SIGTERM)  # Every worker backs up one step, then stops.
 
-    previous = signal.signal(signal.SIGINT, interrupt)
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if total > len(trials):
-            study.optimize(objective, n_trials=total - len(trials), n_jobs=parallel, catch=(_TrialFailed,))
+        if total > len(done):
+            board.start(total, len(done))
+            study.optimize(objective, n_trials=total - len(done), n_jobs=parallel, catch=(_TrialFailed,))
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if stopping.is_set():
-        raise KeyboardInterrupt
-    return trials
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        board.stop()
+    return not stopping.is_set()
 
 
-def _trial_dir(sweep_dir: str, values: dict) -> str:
-    return os.path.join(sweep_dir, f"trial-{trial_id(values)}")
+def _reported(trial: Trial) -> list[str]:
+    for event in events.read(os.path.join(trial.model_dir, "events.jsonl")):
+        if event["event"] == "epoch" and event.get("task") in CHIEFS:
+            return sorted(k for k in event.get("metrics", {}) if not k.startswith("step_seconds"))
+    return []
 
 
-def _read_summary(model_dir: str) -> dict | None:
-    path = os.path.join(model_dir, "summary.json")
-    if not os.path.exists(path):
+def _command(after: list[str]) -> tuple[list[str], bool]:
+    """The trial's program, and whether it is the main job (nothing, or only its flags, after `--`)."""
+    if not after or after[0].startswith("-"):
+        return [sys.executable, "-m", "distrib_tf.train", *after], True
+    if after[0] in ("python", "python3"):  # The sweep's own interpreter: the one with distrib_tf.
+        return [sys.executable, *after[1:]], False
+    return after, False
+
+
+def parse_args(argv: list[str]):
+    parser = argparsing.Parser(
+        prog="distrib-tf-sweep", description="Sweep the hyperparameters of your script (or the main job's flags); "
+        "every trial a distributed run.",
+        epilog="Example: distrib-tf-sweep --space='learning_rate=loguniform(1e-4,1e-2) units=[32,64]' "
+               "--sampler=tpe --trials=8 --pruner=median -- python my_script.py")
+    parser.add_argument("--space", default="", help="NAME=VALUES items: [a,b], linspace(a,b,n), logspace(a,b,n), "
+                        "uniform(a,b), loguniform(a,b), int(a,b), logint(a,b); NAME as the script's "
+                        "distrib_tf.params(...) declares it (the main job: " + ", ".join(sorted(SWEEPABLE)) + ")")
+    parser.add_argument("--space_file", help="the same as a JSON object, merged under --space")
+    parser.add_argument("--sampler", default="grid", choices=("grid", "random", "tpe"),
+                        help="Optuna's sampler (default: grid, in the order written)")
+    parser.add_argument("--trials", type=int, help="how many trials (required for random and tpe; "
+                        "caps the grid; default: the whole grid)")
+    parser.add_argument("--pruner", default="none", choices=PRUNERS,
+                        help="Optuna's pruner, fed each epoch's metric (default: none)")
+    parser.add_argument("--pruner_startup_trials", type=int, default=2,
+                        help="median: trials that end before any is pruned (default: 2)")
+    parser.add_argument("--pruner_warmup_epochs", type=int, default=0,
+                        help="median: epochs before a trial can be pruned; halving, hyperband: the "
+                             "first rung's epochs (default: 0, i.e. 1)")
+    parser.add_argument("--cluster_spec", default="local_2workers",
+                        help="the slots: the local tasks of a spec file or a shipped spec's name "
+                             "(default: local_2workers)")
+    parser.add_argument("--workers_per_trial", type=int,
+                        help="workers of each trial, on 127.0.0.1 (default: every task of the spec, "
+                             "one trial at a time)")
+    parser.add_argument("--parallel", type=int,
+                        help="at most this many trials at once (default: as many as the slots hold)")
+    parser.add_argument("--sweep_dir", default="runs/sweep", help="trials and results go there (default: runs/sweep)")
+    parser.add_argument("--metric", default="val_accuracy", help="the objective: a metric of the run's epochs "
+                        "(default: val_accuracy)")
+    parser.add_argument("--mode", default="max", choices=("max", "min"), help="whether a larger metric is better")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random and tpe samplers (default: 0)")
+    parser.add_argument("command", nargs=argparsing.REMAINDER,
+                        help="-- python my_script.py [ARGS] (default: the main job; -- --flag=value: its flags)")
+    return parser.parse_args(argv)
+
+
+def _read_space_file(path: str | None) -> dict | None:
+    if not path:
         return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _row(trial: Trial, metric: str, mode: str) -> dict:
-    summary = trial.summary or {}
-    history = [e[metric] for e in summary.get("epochs", []) if metric in e]
-    best = (max if mode == "max" else min)(history) if history else None
-    final = summary.get("final", {})
-    final_metric = final.get(metric.removeprefix("val_"), history[-1] if history else None)
-    return {"trial": trial.id, **trial.values, "status": trial.status,
-            f"final_{metric}": final_metric, f"best_{metric}": best,
-            "examples_per_second": summary.get("examples_per_second"),
-            "wall_seconds": summary.get("wall_seconds", trial.seconds or None),
-            "cause": trial.cause, "model_dir": trial.model_dir}
-
-
-def write_results(trials: list[Trial], sweep_dir: str, *, metric: str, mode: str) -> list[dict]:
-    rows = [_row(t, metric, mode) for t in trials]
-    sign = -1 if mode == "max" else 1
-    rows.sort(key=lambda r: (r[f"best_{metric}"] is None, sign * (r[f"best_{metric}"] or 0)))
-    with open(os.path.join(sweep_dir, "results.json"), "w", encoding="utf-8") as f:
-        json.dump(rows, f, indent=2)
-    with open(os.path.join(sweep_dir, "results.csv"), "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return rows
-
-
-def plot_sweep(rows: list[dict], trials: list[Trial], names: list[str], path: str, *, metric: str, best: int = 3):
-    """The metric against each swept value, and the curves of the best trials."""
     try:
-        import matplotlib  # pylint: disable=import-outside-toplevel
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-    except ImportError:
-        return None
-    done = [r for r in rows if r[f"best_{metric}"] is not None]
-    fig, axes = plt.subplots(1, len(names) + 1, figsize=(4 * (len(names) + 1), 3.5))
-    for ax, name in zip(axes, names):
-        ax.scatter([r[name] for r in done], [r[f"best_{metric}"] for r in done])
-        if all(isinstance(r[name], (int, float)) and r[name] > 0 for r in done) and \
-                len({r[name] for r in done}) > 1 and max(r[name] for r in done) / min(r[name] for r in done) > 20:
-            ax.set_xscale("log")
-        ax.set_xlabel(name)
-        ax.set_ylabel(f"best {metric}")
-    by_id = {t.id: t for t in trials}
-    for r in done[:best]:
-        epochs = by_id[r["trial"]].summary["epochs"]
-        axes[-1].plot([e["epoch"] for e in epochs], [e.get(metric) for e in epochs], "-o",
-                      label=", ".join(f"{n}={r[n]:.3g}" if isinstance(r[n], float) else f"{n}={r[n]}"
-                                      for n in names))
-    axes[-1].set_xlabel("epoch")
-    axes[-1].set_ylabel(metric)
-    axes[-1].set_title(f"best {min(best, len(done))} trials")
-    if done:
-        axes[-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"Cannot read search space {path}: {e}. Expected a JSON object of names.") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"Invalid search space in {path}. Received: {type(data).__name__}. "
+                         "Expected a JSON object of names.")
+    return data
 
 
-def format_table(rows: list[dict], names: list[str], metric: str) -> str:
-    header = ["trial", *names, "status", f"best_{metric}", "examples/s", "seconds"]
-    lines = [" | ".join(header)]
-    for r in rows:
-        cells = [r["trial"], *[f"{r[n]:.4g}" if isinstance(r[n], float) else str(r[n]) for n in names],
-                 r["status"], "-" if r[f"best_{metric}"] is None else f"{r[f'best_{metric}']:.4f}",
-                 "-" if r["examples_per_second"] is None else f"{r['examples_per_second']:.0f}",
-                 "-" if r["wall_seconds"] is None else f"{r['wall_seconds']:.0f}"]
-        lines.append(" | ".join(cells) + (f"  ({r['cause']})" if r["cause"] else ""))
-    return "\n".join(lines)
+def _positive(value: int | None, flag: str) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"Invalid value for `{flag}`. Received: {value}. Expected an integer >= 1.")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparsing.Parser(prog="distrib-tf-sweep", description="Sweep the main job's flags.")
-    parser.add_argument("--space", default="", help="NAME=VALUES items: [a,b], linspace(a,b,n), "
-                        "logspace(a,b,n), uniform(a,b), loguniform(a,b); flags: " + ", ".join(sorted(SWEEPABLE)))
-    parser.add_argument("--space_file", help="the same as a JSON object, merged under --space")
-    parser.add_argument("--sampler", default="grid", choices=("grid", "random", "tpe"), help="Optuna's sampler")
-    parser.add_argument("--trials", type=int, help="how many trials (required for random and tpe; "
-                        "caps the grid; default: the whole grid)")
-    parser.add_argument("--cluster_spec", default="local_2workers",
-                        help="where each trial runs: a local spec file or a shipped spec's name")
-    parser.add_argument("--sweep_dir", default="runs/sweep", help="trials and results go there")
-    parser.add_argument("--metric", default="val_accuracy", help="a metric of the main job's epochs")
-    parser.add_argument("--mode", default="max", choices=("max", "min"), help="whether a larger metric is better")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random and tpe samplers")
-    parser.add_argument("--parallel", type=int, help="trials at once (default: what the CPUs allow)")
-    parser.add_argument("extra", nargs=argparsing.REMAINDER, help="-- more flags for every trial's main job")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    extra = argparsing.command_after(args.extra)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    command, main_job = _command(argparsing.command_after(args.command))
     try:
-        data = None
-        if args.space_file:
-            try:
-                with open(args.space_file, encoding="utf-8") as f:
-                    data = json.load(f)
-            except (OSError, json.JSONDecodeError) as e:
-                raise ValueError(f"Cannot read search space {args.space_file}: {e}. "
-                                 "Expected a JSON object of flag names.") from e
-            if not isinstance(data, dict):
-                raise ValueError(f"Invalid search space in {args.space_file}. Received: "
-                                 f"{type(data).__name__}. Expected a JSON object of flag names.")
-        space = parse_space(args.space, data)
-        if args.trials is not None and args.trials < 1:
-            raise ValueError(f"Invalid value for `--trials`. Received: {args.trials}. Expected an integer >= 1.")
+        space = parse_space(args.space, _read_space_file(args.space_file), SWEEPABLE if main_job else None)
+        for value, flag in ((args.trials, "--trials"), (args.workers_per_trial, "--workers_per_trial"),
+                            (args.parallel, "--parallel")):
+            _positive(value, flag)
         if args.sampler != "grid" and args.trials is None:
             raise ValueError(f"Missing `--trials` for --sampler={args.sampler}. Expected a budget >= 1.")
         total = min(grid_size(space), args.trials or math.inf) if args.sampler == "grid" else args.trials
-        spec = ClusterSpec.load(args.cluster_spec)
-        needed = max(len(spec.local_tasks()), 1)
-        if not spec.local_tasks():
+        slots = len(ClusterSpec.load(args.cluster_spec).local_tasks())
+        if not slots:
             raise ValueError(f"No task of {args.cluster_spec} lives on this host. Expected a local spec "
                              "for sweep trials, such as local_2workers.")
+        per_trial = args.workers_per_trial or slots
+        if per_trial > slots:
+            raise ValueError(f"Invalid value for `--workers_per_trial`. Received: {per_trial}. Expected at most "
+                             f"the {slots} local tasks of {args.cluster_spec}.")
+        script = command[1] if not main_job and command[0] == sys.executable and len(command) > 1 else ""
+        if script.endswith(".py") and not os.path.exists(script):
+            raise ValueError(f"Cannot find the script {script}. Expected -- python PATH/TO/SCRIPT.py.")
         _optuna()
     except ValueError as e:  # ClusterSpecError included.
         print(f"distrib-tf-sweep: error: {e}", file=sys.stderr)
         return exit_codes.USAGE
+    parallel = min(slots // per_trial, args.parallel or slots)
+    where = ([f"--workers={per_trial}"] if args.workers_per_trial and per_trial < slots
+             else [f"--cluster_spec={args.cluster_spec}"])
     os.makedirs(args.sweep_dir, exist_ok=True)
-    study = open_study(args.sweep_dir, space, sampler=args.sampler, seed=args.seed, mode=args.mode)
-    parallel = args.parallel or max(1, (os.cpu_count() or 1) // needed)
-    print(f"sweep: {args.sampler} over {[d.name for d in space]}, {total} trial(s), {parallel} at a "
-          f"time, each on {needed} local task(s) of {args.cluster_spec}; study {args.sweep_dir}/study.db",
-          flush=True)
-    try:
-        trials = run_sweep(study, space, total=total, sweep_dir=args.sweep_dir, cluster_spec=args.cluster_spec,
-                           extra=extra, parallel=parallel, metric=args.metric, mode=args.mode,
-                           say=lambda text: print(text, flush=True))
-    except KeyboardInterrupt:
-        print("sweep: interrupted; every trial stopped. Run the same command to resume.", file=sys.stderr)
+    study = open_study(args.sweep_dir, space, sampler=args.sampler, seed=args.seed, mode=args.mode,
+                       pruner=args.pruner, startup_trials=args.pruner_startup_trials,
+                       warmup_epochs=args.pruner_warmup_epochs)
+    program = "the main job" if main_job else shlex.join(argparsing.command_after(args.command))
+    print(f"sweep: {args.sampler} over {[d.name for d in space]} of {program}, {total} trial(s), {parallel} at a "
+          f"time on {per_trial} of the {slots} slots of {args.cluster_spec} each; pruner {args.pruner}; "
+          f"study {args.sweep_dir}/study.db", flush=True)
+    sweep = Sweep(space, args.sweep_dir, command, where, args.metric, args.mode, args.pruner != "none")
+    board = sweep_results.Board(args.metric, args.mode, sys.stdout)
+    sweep.say = board.say
+    whole = run_sweep(study, sweep, total=total, parallel=parallel, board=board)
+    rows = sweep_results.write(study, sweep.sweep_dir, space, metric=args.metric, mode=args.mode)
+    if not whole:
+        print("sweep: interrupted; every running trial backed up and stopped. Run the same command to go on.",
+              file=sys.stderr)
         return exit_codes.INTERRUPTED
-    rows = write_results(trials, args.sweep_dir, metric=args.metric, mode=args.mode)
-    names = [d.name for d in space]
-    plot = plot_sweep(rows, trials, names, os.path.join(args.sweep_dir, "sweep.png"), metric=args.metric)
-    print(format_table(rows, names, args.metric))
-    print(f"results: {args.sweep_dir}/results.csv, results.json" + (f", {plot}" if plot else ""))
-    return exit_codes.OK if all(t.status == "finished" for t in trials) else exit_codes.FAILED
+    print(sweep_results.format_table(rows, [d.name for d in space], args.metric))
+    plot = sweep_results.plot(rows, [d.name for d in space], os.path.join(args.sweep_dir, "sweep.png"),
+                              metric=args.metric, mode=args.mode)
+    print(f"results: {args.sweep_dir}/results.csv" + (f", {plot}" if plot else ""))
+    return exit_codes.FAILED if any(r["status"] == "failed" for r in rows) else exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -267,6 +267,11 @@ def saved(step: int | None):
         _saved.pop()
 
 
+def requested() -> bool:
+    """Whether a SIGTERM came: this worker's, or a peer's (`watch_peers`)."""
+    return _requested
+
+
 def request() -> None:
     """Asks for a preemption save at the next step, as SIGTERM does."""
     global _requested
@@ -274,6 +279,11 @@ def request() -> None:
 
 
 _fits = [0]  # Keras fits that a SaveOnPreemption watched, in this process.
+
+
+def fits() -> int:
+    """How many Keras fits a `SaveOnPreemption` watched in this process: a key per fit."""
+    return _fits[0]
 
 
 class SaveOnPreemption(keras.callbacks.Callback):

@@ -64,11 +64,13 @@ job's workers then agree on one step, each backs it up and exits with 75
 resumes at that step. The launcher exits 75 only when every task exited 75 (or had
 finished); otherwise it names each task's code in one line and exits 130. A task that
 exits with 75 on its own (it got the SIGTERM) ends the launch the same way. Ctrl-C stops
-the whole group the same way and exits 130.
+the whole group the same way and exits 130. Started by a sweep (`DISTRIB_TF_PARENT_PID`),
+the launcher gets SIGTERM when the sweep dies, so its trial backs up and stops as well.
 Signal handlers only record the signal; the supervision loop acts on it.
 
 Exit codes (`distrib_tf.exit_codes`): 0 every task succeeded; 1 a task failed and no
-restarts remain; 2 bad input (nothing started, or a task reported bad input); 65 the main
+restarts remain; 2 bad input (nothing started, or a task reported bad input); 3 a sweep
+pruned the trial, every worker saved its state; 65 the main
 job stopped on a NaN or Inf loss; 75
 preempted, the state is saved, start again to resume; 130 interrupted by Ctrl-C (or
 SIGTERM to a job that did not save).
@@ -86,6 +88,7 @@ import tempfile
 from distrib_tf import argparsing
 from distrib_tf import cluster
 from distrib_tf import exit_codes
+from distrib_tf import lifeline
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import Task
 from distrib_tf.cluster import parse_task
@@ -281,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # ClusterSpecError included.
         print(f"distrib-tf-launch: error: {e}", file=sys.stderr)
         return exit_codes.USAGE
+    lifeline.die_with_parent()  # Started by a sweep: its tasks back up and stop when the sweep dies.
     result = run(config)
     if result.exit_code == exit_codes.FAILED:
         print(f"distrib-tf-launch: job failed after {result.attempts} attempt(s); first "

@@ -16,6 +16,7 @@ import time
 
 from distrib_tf import events
 from distrib_tf import exit_codes
+from distrib_tf import lifeline
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import Task
 from distrib_tf.deploy import slurm
@@ -117,6 +118,7 @@ def task_env(config: LaunchConfig, spec: ClusterSpec, task: Task, slot: int,
              base_env: dict[str, str]) -> dict[str, str]:
     """The environment of `task`, the `slot`-th task started on this host. Pure."""
     env = {**base_env, "TF_CONFIG": spec.tf_config(task), "PYTHONUNBUFFERED": "1"}
+    env.pop(lifeline.PARENT_ENV, None)  # The launcher's parent, not the task's.
     env.update(task_placement(config, slot, base_env))
     if config.collective_timeout:
         env["DISTRIB_TF_COLLECTIVE_TIMEOUT"] = str(config.collective_timeout)
@@ -289,7 +291,11 @@ def _run(config: LaunchConfig, console: console_lib.Sink) -> LaunchResult:
                      "as a restart)", console)
                 continue
             first_failure = first_failure or failure
-            if ended.returncode in (exit_codes.USAGE, exit_codes.NONFINITE):  # It would fail again.
+            if ended.returncode == exit_codes.PRUNED and all(code in (exit_codes.OK, exit_codes.PRUNED)
+                                                             for code in codes):
+                _say(f"{failure.task} was pruned by the sweep: every worker saved its state", console)
+                return LaunchResult(exit_codes.PRUNED, attempt, first_failure)
+            if ended.returncode in (exit_codes.USAGE, exit_codes.PRUNED, exit_codes.NONFINITE):  # Again if retried.
                 _report(failure, attempt, 0, console, isolated)
                 # Its own code: the Kubernetes exports' rules fail the job on 2 and 65.
                 return LaunchResult(ended.returncode, attempt, first_failure)

@@ -3,6 +3,7 @@
 | raised in the run                     | exit code                    | a scheduler      |
 | ------------------------------------- | ---------------------------- | ---------------- |
 | `preemption.Preempted` (SIGTERM)      | 75 `PREEMPTED`, state saved  | starts it again  |
+| `pruning.Pruned` (a sweep pruned it)  | 3 `PRUNED`, state saved      | does not retry   |
 | `nonfinite.NonFiniteLoss`             | 65 `NONFINITE`               | does not retry   |
 | `backup.ResumeError`, `InvalidRun`    | 2 `USAGE`, nothing lost      | does not retry   |
 | anything else                         | the traceback, as Python's   | may retry        |
@@ -30,7 +31,10 @@ def classify(error: BaseException) -> int | None:
     from distrib_tf.keras import backup
     from distrib_tf.keras import nonfinite
     from distrib_tf.keras import preemption
+    from distrib_tf.keras import pruning
 
+    if isinstance(error, pruning.Pruned):
+        return exit_codes.PRUNED
     if isinstance(error, preemption.Preempted):
         return exit_codes.PREEMPTED
     if isinstance(error, nonfinite.NonFiniteLoss):
@@ -43,7 +47,7 @@ def classify(error: BaseException) -> int | None:
 def describe(error: BaseException, task: str) -> str:
     """The one line printed for `error` (see `classify`)."""
     code = classify(error)
-    if code == exit_codes.PREEMPTED:
+    if code in (exit_codes.PREEMPTED, exit_codes.PRUNED):
         return error.describe(task)
     if code == exit_codes.NONFINITE:
         return f"{task}: {error} Every worker stopped at this step."
@@ -65,7 +69,7 @@ def exit_for(error: BaseException, task: str, *, program: str, strategy=None, is
         first_line = next(iter(str(error).strip().splitlines()), "")
         events.emit("failed", error=f"{type(error).__name__}: {first_line}")
         return
-    if code == exit_codes.PREEMPTED:
+    if code in (exit_codes.PREEMPTED, exit_codes.PRUNED):  # Every worker backed up one step: leave.
         from distrib_tf.keras import preemption  # pylint: disable=import-outside-toplevel
 
         preemption.leaving()

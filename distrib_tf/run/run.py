@@ -48,6 +48,7 @@ import tensorflow as tf
 from distrib_tf import cluster
 from distrib_tf import events
 from distrib_tf import lifeline
+from distrib_tf import trial
 from distrib_tf.data import examples as examples_lib
 from distrib_tf.data import pipeline
 from distrib_tf.keras import backup
@@ -81,7 +82,9 @@ class Run:
 
     Args:
         model_dir: where the run writes: `backup/<task>/` on every worker's own disk;
-            `checkpoints/`, `logs/`, `summary.json` and the saved model by the chief.
+            `checkpoints/`, `logs/`, `summary.json` and the saved model by the chief. In a
+            trial of `distrib-tf-sweep`, the trial's own directory instead
+            (`distrib_tf.trial`).
         seed: seeds Keras (the model's initial weights) and the data order.
         backup_every_steps: back up every this many global steps too (default: at epoch
             ends only); a SIGTERM backs up its own step in any case.
@@ -152,7 +155,7 @@ class Run:
         if not isinstance(model_dir, (str, os.PathLike)) or not str(model_dir):
             invalid("model_dir", model_dir, "a directory path")
         self.options = RunOptions(seed=seed, **options)
-        self.model_dir = str(model_dir)
+        self.model_dir = trial.model_dir(str(model_dir))  # A sweep's trial writes in its own directory.
         # Reclaimed from TensorFlow's once the strategy is made; outside fit and the outputs, its own meaning.
         preemption.install_sigterm_handler(outside_phases="default")
         try:

@@ -14,6 +14,7 @@ import sys
 
 import keras
 
+from distrib_tf import trial
 from distrib_tf.data import examples as examples_lib
 from distrib_tf.keras import backup
 from distrib_tf.keras import callbacks as callbacks_lib
@@ -21,6 +22,7 @@ from distrib_tf.keras import local_sgd
 from distrib_tf.keras import nonfinite
 from distrib_tf.keras import preemption
 from distrib_tf.keras import progress
+from distrib_tf.keras import pruning
 from distrib_tf.keras import user_view
 from distrib_tf.run import export
 from distrib_tf.run import schedules
@@ -98,6 +100,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     # The user's see each step after the NaN check and before its backup, which so holds their state.
     checkpoint = callbacks_lib.ChiefCheckpoint(run.model_dir, run_id, keep=options.keep_checkpoints)
     every_callback = [*ours, hide, users, worker_backup, checkpoint, preemption.SaveOnPreemption(worker_backup),
+                      *([pruning.PruneAtEpochEnd(worker_backup, is_chief=run.is_chief)] if trial.prunes() else []),
                       progbar]
     if verbose == "auto":
         verbose = (1 if sys.stdout.isatty() else 2) if run.is_chief else 0
@@ -159,6 +162,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
         "workers": run.workers,
         "replicas": run.strategy.num_replicas_in_sync,
         "resumed_at_step": start_step,
+        **({"params": trial.seen()} if trial.seen() else {}),  # The script's `distrib_tf.params`.
         "rollbacks": rollbacks,
         "epochs": _every_epoch(worker_backup.history, hide.epochs),
         "examples_per_second": timer.steady_rate(),

@@ -29,6 +29,7 @@ from distrib_tf import cluster
 from distrib_tf import events
 from distrib_tf import exit_codes
 from distrib_tf import lifeline
+from distrib_tf import trial
 from distrib_tf.train.config import MODELS
 from distrib_tf.train.config import TrainConfig
 
@@ -81,9 +82,10 @@ def define_flags():
 
 
 def config_from_flags() -> TrainConfig:
-    return TrainConfig(**{
+    """The flags, with a sweep trial's values in place of those it sweeps (`distrib_tf.trial`)."""
+    return TrainConfig(**trial.params(**{
         field.name: getattr(FLAGS, field.name) for field in dataclasses.fields(TrainConfig)
-    })
+    }))
 
 
 def _fail(message: str, code: int = exit_codes.USAGE, *, now: bool = False):

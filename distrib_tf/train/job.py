@@ -117,7 +117,7 @@ def prepare_job(config: TrainConfig, model_dir: str) -> Job:
                      f"{config.global_batch_size} in the {train.num_examples} examples of {train.name}")
     config.profile_range(last_step=config.epochs * steps)
     validation_steps = validation.steps_per_epoch(config.global_batch_size) if validation is not None else 0
-    return Job(config, model_dir, run, info, train, validation, steps, validation_steps)
+    return Job(config, run.model_dir, run, info, train, validation, steps, validation_steps)
 
 
 def build_compiled_model(config: TrainConfig, info, strategy):

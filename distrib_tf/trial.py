@@ -1,0 +1,143 @@
+"""A sweep's trial as the user's script sees it: its hyperparameters, the same on every worker.
+
+One call in the script names its hyperparameters and their defaults:
+
+    hp = distrib_tf.params(learning_rate=1e-3, units=64, dropout=0.2)
+
+Outside a sweep it returns the defaults, and the script runs as it always did. In a trial
+of `distrib-tf-sweep` the swept values replace them: the sweep puts the trial in the
+launcher's environment (`DISTRIB_TF_TRIAL`, JSON), which every task it starts inherits, so
+every worker reads the same values by construction, with no collective and no file. A
+swept value takes its default's type (an integral float for an `int` default, `true` or
+`false` for a `bool`); a swept name the script does not declare, or a value of the wrong
+type, ends the trial with one line and exit code 2 (the sweep records it and goes on).
+
+The trial also names its directory (`distrib_tf.Run` writes there instead of its
+`model_dir`, so every trial's backups, checkpoints and `summary.json` are its own), and
+whether the sweep prunes: then, at every epoch's end, the chief waits for the sweep's
+decision (`decision`), a file the sweep writes once it has read the epoch's metrics from
+the run's events, and every worker stops at that step if it says so
+(`distrib_tf.keras.pruning`).
+
+No TensorFlow here.
+"""
+
+import json
+import os
+import sys
+import time
+
+from distrib_tf import exit_codes
+
+ENV = "DISTRIB_TF_TRIAL"
+DECISIONS = "sweep"  # The sweep's decisions, in the trial's directory: `sweep/epoch-N` holds `prune` or `go`.
+_seen: dict = {}  # The values `params` returned in this process, for `summary.json`.
+
+
+def current() -> dict | None:
+    """The trial this process runs in (`number`, `params`, `dir`, `prune`), or `None` outside a sweep."""
+    text = os.environ.get(ENV)
+    if not text:
+        return None
+    try:
+        found = json.loads(text)
+    except ValueError:
+        found = None
+    if not isinstance(found, dict) or not isinstance(found.get("params"), dict):
+        _refuse(f"Invalid {ENV} in the environment. Received: {text[:80]!r}. Expected the JSON object "
+                "distrib-tf-sweep sets for its trials.")
+    return found
+
+
+def params(**defaults) -> dict:
+    """The script's hyperparameters: `defaults` outside a sweep, the trial's values inside one.
+
+    Example:
+
+        >>> hp = params(learning_rate=1e-3, units=64)
+        >>> hp["units"]  # 64 outside a sweep; the trial's value, the same on every worker, inside.
+        64
+    """
+    values = dict(defaults)
+    found = current()
+    for name, value in (found or {}).get("params", {}).items():
+        if name not in defaults:
+            _refuse(f"Invalid sweep parameter `{name}` for {_program()}. Received: {name}={value!r}. Expected "
+                    f"one that its distrib_tf.params(...) declares: {', '.join(sorted(defaults)) or 'none'}.")
+        values[name] = _like(name, value, defaults[name])
+    _seen.update(values)
+    return values
+
+
+def seen() -> dict:
+    """What `params` returned in this process (empty if it was never called)."""
+    return dict(_seen)
+
+
+def _like(name: str, value, default):
+    """`value` as the type of `default`, or the one-line refusal."""
+    kind = type(default)
+    if default is None or isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    if kind is bool and isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    _refuse(f"Invalid sweep value for `{name}` in {_program()}. Received: {value!r} "
+            f"({type(value).__name__}). Expected {kind.__name__}, as its default {default!r}.")
+    return None
+
+
+def model_dir(requested: str) -> str:
+    """Where a run writes: the trial's own directory in a sweep, else `requested`."""
+    found = current()
+    return found["dir"] if found and found.get("dir") else requested
+
+
+def prunes() -> bool:
+    """Whether this trial's sweep may prune it at an epoch's end."""
+    found = current()
+    return bool(found and found.get("prune") and found.get("dir"))
+
+
+def decision(epoch: int, *, timeout: float, stop_waiting=lambda: False) -> str:
+    """The sweep's word on the trial after `epoch` (1-based): `prune` or `go`.
+
+    Waits for the file the sweep writes once it has read the epoch's metrics, at most
+    `timeout` seconds, or until `stop_waiting()` (a preemption came): then `go`, and the
+    run goes on (a sweep that is gone cannot prune it).
+    """
+    path = os.path.join(current()["dir"], DECISIONS, f"epoch-{epoch}")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not stop_waiting():
+        try:
+            with open(path, encoding="utf-8") as f:
+                return "prune" if f.read().strip() == "prune" else "go"
+        except FileNotFoundError:
+            time.sleep(0.05)
+    return "go"
+
+
+def write_decision(directory: str, epoch: int, prune: bool) -> None:
+    """The sweep's side of `decision`: the file appears whole, by a rename."""
+    folder = os.path.join(directory, DECISIONS)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"epoch-{epoch}")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write("prune" if prune else "go")
+    os.replace(path + ".tmp", path)
+
+
+def _program() -> str:
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:  # python -m distrib_tf.train
+        return spec.name.removesuffix(".__main__")
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else "this script"
+
+
+def _refuse(message: str) -> None:
+    """A mistake in the sweep's values: one line, exit code 2 (the sweep records it, goes on)."""
+    print(f"{_program()}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(exit_codes.USAGE)
