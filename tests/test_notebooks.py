@@ -32,4 +32,4 @@ def test_notebook_runs(tmp_path, name):
         assert "succeeded | restarts: 1" in text
     if name.startswith("03"):
         assert len(re.findall(r":\s+\d+ examples/s", text)) == 4  # The four layouts.
-        assert "results: " in text and "sweep.png" in text
+        assert "results: " in text and "sweep.png" in text and "(2 pruned, 0 failed)" in text

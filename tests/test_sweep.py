@@ -85,6 +85,19 @@ def test_a_users_script_swept_on_two_workers_with_a_pruner(tmp_path):
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
 
 
+@pytest.mark.multiworker
+def test_a_trial_that_fails_for_its_own_reason_is_recorded_and_the_sweep_goes_on(tmp_path):
+    result = _sweep("--space=dropout=[0.1,0.2]", f"--cluster_spec={SPEC}", "--workers_per_trial=1",
+                    f"--sweep_dir={tmp_path}", "--", "python", SCRIPT)
+    assert result.returncode == 1, result.stdout + result.stderr
+    rows = _rows(tmp_path)
+    assert [r["status"] for r in rows] == ["failed", "failed"]  # Both ran: the first failure stopped nothing.
+    for row in rows:
+        assert ("swept_script.py: error: Invalid sweep parameter `dropout` for swept_script.py. Received: "
+                f"dropout={row['dropout']}. Expected one that its distrib_tf.params(...) declares: "
+                "learning_rate, units.") in row["cause"], row["cause"]
+
+
 def _trial_tasks(sweep_dir: str) -> list[int]:
     """The pids of live processes that are tasks of a trial of `sweep_dir` (read from /proc):
     each runs the trial's command (the launcher's init processes around them are not counted)."""
