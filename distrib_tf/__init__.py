@@ -12,11 +12,14 @@ Example:
 
 import importlib as _importlib
 import logging as _logging
+import os as _os
+import sys as _sys
 
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import ClusterSpecError
 from distrib_tf.cluster import Task
 from distrib_tf.cluster import load_tf_config
+from distrib_tf.cluster import speaks as _speaks
 from distrib_tf.trial import params
 
 __version__ = "0.1.0"
@@ -55,15 +58,26 @@ _LAZY = {
     "Pruned": "distrib_tf.keras.pruning",
 }
 
+# TensorFlow's C++ start-up lines (CUDA probes on a machine without a GPU, oneDNN and CPU
+# notices) are read against this once, when TensorFlow loads: imported before it, distrib_tf
+# keeps them out of a script as the launcher does for its tasks (`DISTRIB_TF_VERBOSE=1`:
+# TensorFlow's own level; a value set already is left alone).
+if "tensorflow" not in _sys.modules and _os.environ.get("DISTRIB_TF_VERBOSE") != "1":
+    _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 # A library leaves handlers to the application; the CLIs call `log_to_stderr()`.
 _logging.getLogger("distrib_tf").addHandler(_logging.NullHandler())
 
 
-def log_to_stderr(level: int = _logging.INFO) -> None:
+def log_to_stderr(level: int | None = None) -> None:
     """Shows distrib_tf's messages as `distrib_tf: ...` lines on stderr (what the CLIs do).
 
-    For a script or notebook that wants them too; idempotent.
+    For a script or notebook that wants them too; idempotent. By default INFO on the
+    process that speaks for the job (`distrib_tf.cluster.speaks`: the chief, or every
+    worker with `DISTRIB_TF_VERBOSE=1`), WARNING on the others.
     """
+    if level is None:
+        level = _logging.INFO if _speaks() else _logging.WARNING
     logger = _logging.getLogger("distrib_tf")
     if not any(getattr(h, "_distrib_tf", False) for h in logger.handlers):
         handler = _logging.StreamHandler()

@@ -362,3 +362,32 @@ def load_tf_config(environ: Mapping[str, str] | None = None) -> tuple[ClusterSpe
     if isinstance(index, bool) or not isinstance(index, int):
         raise _invalid("task.index", source, index, "an integer")
     return spec, spec.check_task(Task(task_type, index))
+
+
+VERBOSE_ENV = "DISTRIB_TF_VERBOSE"  # "1": every worker prints its own lines (the launcher's --verbose sets it).
+
+
+def speaks(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process prints distrib_tf's lines: the chief (`chief:0`, or `worker:0`
+    in a cluster without one, or a process without `TF_CONFIG`), or any process with
+    `DISTRIB_TF_VERBOSE=1`. The other workers speak when something happens to them (a
+    warning, an error, a preemption), as Keras's one process does.
+
+    Example:
+
+        >>> speaks({"TF_CONFIG": '{"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 1}}'})
+        False
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get(VERBOSE_ENV) == "1":
+        return True
+    try:
+        found = load_tf_config(environ)
+    except ClusterSpecError:
+        return True
+    if found is None:
+        return True
+    spec, task = found
+    chief = ("chief", 0) if "chief" in spec.jobs else ("worker", 0)
+    return (task.type, task.index) == chief
+

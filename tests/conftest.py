@@ -4,6 +4,10 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# Every worker prints its lines (its epochs, its final weights' sha256) in the jobs the tests
+# start: they compare what separate processes say. The default, one process speaking, is
+# tested with this removed (tests/test_launch.py).
+os.environ["DISTRIB_TF_VERBOSE"] = "1"
 
 
 @pytest.fixture(scope="session")

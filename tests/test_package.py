@@ -34,3 +34,21 @@ def test_the_version_is_the_packages_and_a_bare_import_needs_no_tensorflow():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert done.stdout.strip() == "False", done.stderr[-2000:]  # The launcher's side stays light.
+
+
+def test_every_console_scripts_help_exits_0_and_gives_each_flag_its_text():
+    """Issue 45: `distrib-tf-train --help` exited 1 with absl's two lines; `distrib-tf-ray --help`
+    gave three flags no text or default."""
+    parser = configparser.ConfigParser()
+    parser.read(os.path.join(ROOT, "setup.cfg"))
+    scripts = dict(line.split(" = ") for line in parser["options.entry_points"]["console_scripts"].split("\n") if line)
+    expected = {"distrib-tf-train": "--epochs: Epochs to train.", "distrib-tf-ray": "failure (default: 3)",
+                "distrib-tf-sweep": "--pruner", "distrib-tf-launch": "--grace_period", "distrib-tf-export": "kubernetes"}
+    assert set(scripts) == set(expected)
+    for name, target in scripts.items():
+        module, function = target.split(":")
+        code = f"import sys; from {module} import {function} as main; sys.argv = [{name!r}, '--help']; sys.exit(main())"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+        assert done.returncode == 0, (name, done.stdout[-500:], done.stderr[-1000:])
+        assert done.stdout.startswith(f"usage: {name}") and expected[name] in done.stdout, (name, done.stdout)

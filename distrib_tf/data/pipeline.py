@@ -25,6 +25,7 @@ from distrib_tf.data.registry import check_global_batch_size
 from distrib_tf.data.registry import steps_per_epoch
 
 logger = logging.getLogger("distrib_tf")
+_SAID: set = set()  # The pipelines this process described.
 
 
 def make_dataset_fn(info: DatasetInfo, split: str, *, global_batch_size: int, seed: int = 0,
@@ -62,8 +63,10 @@ def make_examples_fn(name: str, num_examples: int, make_reader, *, global_batch_
         if one_pass:
             ids = ids.take(steps_per_epoch - start_step % steps_per_epoch)
         dataset = ids.map(make_reader(), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        logger.info("%s: input pipeline %d of %d reads its %d replica slice(s) of every global batch",
-                    name, index, pipelines, replicas // pipelines)
+        said = (name, index, pipelines, replicas // pipelines)
+        if said not in _SAID:  # Once a process: not again for each evaluate or restart of the epoch.
+            _SAID.add(said)
+            logger.info("%s: input pipeline %d of %d reads its %d replica slice(s) of every global batch", *said)
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         # Known to be endless, so that a multi-worker strategy does not all-reduce "has

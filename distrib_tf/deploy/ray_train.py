@@ -33,7 +33,6 @@ Start the main job, or a user's script on `distrib_tf.Run`, on the Ray cluster a
 No TensorFlow in this module: the job runs in the child.
 """
 
-import argparse
 import ipaddress
 import json
 import os
@@ -43,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 
+from distrib_tf import argparsing
 from distrib_tf import events
 from distrib_tf import exit_codes
 from distrib_tf import lifeline
@@ -246,19 +246,20 @@ def trainer(loop, *, num_workers: int | tuple[int, int], config: dict | None = N
 
 def main(argv=None) -> int:
     """Console script `distrib-tf-ray`: the main job on a Ray cluster."""
-    parser = argparse.ArgumentParser(
+    parser = argparsing.Parser(
         prog="distrib-tf-ray", description="Runs the main job under Ray Train.",
         usage="distrib-tf-ray [--address=auto] --num_workers=N|MIN:MAX [--script=PATH] -- [flags]")
     parser.add_argument("--address", default="auto", help="the Ray cluster (ray.init's address)")
     parser.add_argument("--num_workers", required=True, help="N, or MIN:MAX for Ray Train's elastic group")
-    parser.add_argument("--cpus_per_worker", type=float, default=1)
-    parser.add_argument("--max_failures", type=int, default=3)
+    parser.add_argument("--cpus_per_worker", type=float, default=1, help="CPUs Ray reserves for each worker")
+    parser.add_argument("--max_failures", type=int, default=3,
+                        help="restarts of the worker group Ray Train allows after a failure")
     parser.add_argument("--storage_path", default=os.path.abspath("runs/ray"),
                         help="where Ray keeps the run and its checkpoint (a path every node sees)")
-    parser.add_argument("--name", default="distrib_tf")
+    parser.add_argument("--name", default="distrib_tf", help="the run's name under --storage_path")
     parser.add_argument("--script", default=None,
                         help="a user's script on distrib_tf.Run instead of the main job; the flags go to it")
-    parser.add_argument("job_flags", nargs="*")
+    parser.add_argument("job_flags", nargs="*", help="-- flags for the main job (or the script)")
     args = parser.parse_args(argv)
     try:
         num_workers = parse_num_workers(args.num_workers)

@@ -160,7 +160,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--events", metavar="FILE",
                         help="append every task's events (JSON lines, distrib_tf.events) to FILE")
     parser.add_argument("--verbose", action="store_true",
-                        help="TensorFlow's C++ logs at their own level (default: errors only)")
+                        help="every worker's lines, and TensorFlow's C++ logs at their own level (default: "
+                             "the chief speaks for the job; errors only)")
     parser.add_argument("--network", choices=("private", "host"), default="private",
                         help="for a loopback-only spec: private (a network namespace of their own, "
                              "loopback only: unreachable, and without network access) or host "

@@ -125,6 +125,8 @@ def task_env(config: LaunchConfig, spec: ClusterSpec, task: Task, slot: int,
     env[GRACE_ENV] = str(config.grace_period)  # The preemption handshake sizes its waits to it.
     if not config.verbose:
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", QUIET_LOG_LEVEL)
+    else:
+        env["DISTRIB_TF_VERBOSE"] = "1"  # Every worker prints its lines (`distrib_tf.cluster.speaks`).
     return env
 
 

@@ -14,6 +14,7 @@ import sys
 
 import keras
 
+from distrib_tf import cluster
 from distrib_tf import trial
 from distrib_tf.data import examples as examples_lib
 from distrib_tf.keras import backup
@@ -95,7 +96,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
                           steps_per_epoch=steps, global_batch_size=global_batch_size),
         keras.callbacks.TensorBoard(os.path.join(run.model_dir, "logs"), write_graph=False),
     ]
-    if not run.is_chief:
+    if not run.is_chief and cluster.speaks():  # DISTRIB_TF_VERBOSE=1: every worker says its epochs.
         ours.append(callbacks_lib.EpochLine(run.task, epochs))
     # The user's see each step after the NaN check and before its backup, which so holds their state.
     checkpoint = callbacks_lib.ChiefCheckpoint(run.model_dir, run_id, keep=options.keep_checkpoints)

@@ -97,7 +97,19 @@ def _fail(message: str, code: int = exit_codes.USAGE, *, now: bool = False):
     sys.exit(code)
 
 
+def _help() -> str:
+    """`--help`: what the job does, then each of its flags with its text and default (absl's own
+    help lists absl's flags too, and exits 1)."""
+    return ("usage: distrib-tf-train [--flag=value ...]\n\nTrains a Keras model (the CNN on the offline `shapes` "
+            "dataset by default) on this process, or on every worker of a cluster when TF_CONFIG is set.\n\n"
+            + "\n".join(line for line in FLAGS.module_help(__name__).splitlines()
+                        if line.strip() and line.strip() != f"{__name__}:"))
+
+
 def _parse_flags(argv):
+    if any(arg in ("-h", "--help", "--helpshort", "-?") for arg in argv[1:]):
+        print(_help())
+        sys.exit(exit_codes.OK)
     try:
         return FLAGS(argv)
     except flags.Error as e:
@@ -154,7 +166,9 @@ def main(argv):
             _fail(f"{job.task}: {message}", now=True)
         ending.exit_for(e, job.task, program="distrib-tf-train", strategy=job.strategy, is_chief=job.is_chief)
         raise
-    if job.is_chief and "accuracy" in summary.get("final", {}):
+    if job.is_chief and os.environ.get(cluster.VERBOSE_ENV) != "1":  # Its figures were the last epoch's line.
+        print(f"summary: {os.path.join(job.model_dir, 'summary.json')}", flush=True)
+    elif job.is_chief and "accuracy" in summary.get("final", {}):
         chance = f" (chance {1 / job.info.num_classes:.4f})" if hasattr(job.info, "num_classes") else ""
         print(f"final accuracy {summary['final']['accuracy']:.4f}{chance} on {config.dataset} test; "
               f"summary: {os.path.join(job.model_dir, 'summary.json')}", flush=True)

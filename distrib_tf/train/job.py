@@ -16,6 +16,7 @@ import time
 
 import keras
 
+from distrib_tf import cluster
 from distrib_tf import data
 from distrib_tf.keras import callbacks as callbacks_lib
 from distrib_tf.keras import local_sgd
@@ -183,8 +184,9 @@ def run_job(job: Job) -> dict:
         "wall_seconds": time.time() - started,
     })
     summary = run.summary
-    # Every worker: identical weights on all of them is the point of synchronous training.
-    print(f"{job.task} final weights sha256 {summary['weights_sha256']}", flush=True)
+    if os.environ.get(cluster.VERBOSE_ENV) == "1":
+        # Every worker's, verbose: identical weights on all of them is the point of synchronous training.
+        print(f"{job.task} final weights sha256 {summary['weights_sha256']}", flush=True)
     with run.outputs():  # Renamed into place: a restart writes them again.
         if job.is_chief:
             serving.export_model(model, job.model_dir)
