@@ -12,8 +12,6 @@ Example:
 
 import importlib as _importlib
 import logging as _logging
-import os as _os
-import sys as _sys
 
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import ClusterSpecError
@@ -57,13 +55,6 @@ _LAZY = {
     "ResumeError": "distrib_tf.keras.backup",
     "Pruned": "distrib_tf.keras.pruning",
 }
-
-# TensorFlow's C++ start-up lines (CUDA probes on a machine without a GPU, oneDNN and CPU
-# notices) are read against this once, when TensorFlow loads: imported before it, distrib_tf
-# keeps them out of a script as the launcher does for its tasks (`DISTRIB_TF_VERBOSE=1`:
-# TensorFlow's own level; a value set already is left alone).
-if "tensorflow" not in _sys.modules and _os.environ.get("DISTRIB_TF_VERBOSE") != "1":
-    _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # A library leaves handlers to the application; the CLIs call `log_to_stderr()`.
 _logging.getLogger("distrib_tf").addHandler(_logging.NullHandler())

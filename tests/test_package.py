@@ -43,7 +43,8 @@ def test_every_console_scripts_help_exits_0_and_gives_each_flag_its_text():
     parser.read(os.path.join(ROOT, "setup.cfg"))
     scripts = dict(line.split(" = ") for line in parser["options.entry_points"]["console_scripts"].split("\n") if line)
     expected = {"distrib-tf-train": "--epochs: Epochs to train.", "distrib-tf-ray": "failure (default: 3)",
-                "distrib-tf-sweep": "--pruner", "distrib-tf-launch": "--grace_period", "distrib-tf-export": "kubernetes"}
+                "distrib-tf-sweep": "--pruner", "distrib-tf-launch": "--grace_period",
+                "distrib-tf-export": "kubernetes"}
     assert set(scripts) == set(expected)
     for name, target in scripts.items():
         module, function = target.split(":")

@@ -35,29 +35,16 @@ from distrib_tf.data.registry import check_dataset_name
 from distrib_tf.data.registry import check_global_batch_size
 from distrib_tf.data.registry import steps_per_epoch
 
+# A user's calls: their data as `distrib_tf.Run` reads it (the other names above are the main
+# job's and the pipeline's, importable from here for them, and documented in their modules).
 __all__ = [
-    "DATASETS",
-    "TEXT_SEQ_LEN",
-    "TEXT_VOCAB_SIZE",
-    "Batches",
     "DataError",
-    "DatasetFn",
-    "DatasetInfo",
     "Examples",
-    "check_dataset_name",
-    "check_global_batch_size",
-    "check_random_access",
     "from_arrays",
     "from_dataset",
     "from_dataset_fn",
-    "from_py_dataset",
     "from_images",
+    "from_py_dataset",
     "from_source",
     "load",
-    "load_info",
-    "load_source",
-    "main",
-    "make_dataset_fn",
-    "make_examples_fn",
-    "steps_per_epoch",
 ]
