@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VENV_RAY := .venv-ray
 STAMP_RAY := $(VENV_RAY)/.installed
 
-.PHONY: install train test test-fast test-compat test-ray test-engines soak bench bench-data bench-layout bench-scaling bench-sync bench-overhead bench-resize bench-backup lint clean
+.PHONY: install docs train test test-fast test-compat test-ray test-engines soak bench bench-data bench-layout bench-scaling bench-sync bench-overhead bench-resize bench-backup lint clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,16 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+STAMP_DOCS := $(VENV)/.installed-docs
+$(STAMP_DOCS): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $(STAMP_DOCS)
+
+# The documentation site in site/ (MkDocs, Material, mkdocstrings: mkdocs.yml), warnings as errors.
+docs: $(STAMP_DOCS)
+	mkdir -p docs/benchmarks && cp benchmarks/*.png docs/benchmarks/
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 train: $(STAMP)
 	$(PY) -m distrib_tf.launch --cluster_spec=cluster_specs/local_2workers.json \

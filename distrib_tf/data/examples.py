@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import os
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -194,7 +195,7 @@ def _as_arrays(structure, what: str):
                         "Expected an array, or a dict of arrays with one row per example.") from e
 
 
-def from_arrays(x, y=None, *, sample_weight=None, name: str = "arrays") -> Examples:
+def from_arrays(x: Any, y: Any = None, *, sample_weight: Any = None, name: str = "arrays") -> Examples:
     """Examples held in memory: row `i` of every array is example `i`.
 
     Args:

@@ -41,6 +41,7 @@ they are.
 
 import os
 import sys
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -97,8 +98,9 @@ class Run:
         run_id: what a backup must match to be resumed; by default a digest of the
             model's variables, its optimizer's configuration, the data, the global batch,
             the seed and the sync mode.
-        strategy, cpu_replicas, collective_timeout: passed to `make_strategy` (`kind`,
-            `cpu_replicas`, `timeout_seconds`).
+        strategy: passed to `make_strategy` as `kind`.
+        cpu_replicas: passed to `make_strategy`.
+        collective_timeout: passed to `make_strategy` as `timeout_seconds`.
         keep_checkpoints: the chief keeps this run's last N epoch checkpoints
             (`checkpoints/epochNNN.weights.h5`); `None`: every epoch's.
         backup_in_background: a backup stops training only while the state is copied into
@@ -212,10 +214,13 @@ class Run:
 
     # Training.
 
-    def fit(self, model, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None, sample_weight=None,
-            initial_epoch=0, steps_per_epoch=None, validation_steps=None, validation_batch_size=None,
-            validation_freq=1, *, global_batch_size=None):
+    def fit(self, model: keras.Model, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
+            verbose: str | int = "auto", callbacks: list[keras.callbacks.Callback] | None = None,
+            validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
+            class_weight: dict | None = None, sample_weight: Any = None, initial_epoch: int = 0,
+            steps_per_epoch: int | None = None, validation_steps: int | None = None,
+            validation_batch_size: int | None = None, validation_freq: int = 1, *,
+            global_batch_size: int | None = None) -> keras.callbacks.History:
         """Keras's `model.fit(...)`, its arguments with their meanings, and every guarantee.
 
         A script's own `model.fit(...)` comes here while the run is live (`distrib_tf.run.
@@ -226,9 +231,12 @@ class Run:
         Args:
             model: a compiled Keras model, built while the run is live (or under
                 `run.strategy.scope()`).
-            x, y, sample_weight, class_weight, validation_split: as Keras's (arrays, dicts
-                of arrays); `x` also a batched `tf.data.Dataset` or a `distrib_tf.data`
-                source (`from_source`, `from_images`, `load`, `from_dataset_fn`).
+            x: as Keras's (an array, a dict of arrays), a batched `tf.data.Dataset` or a
+                `distrib_tf.data` source (`from_source`, `from_images`, `load`, `from_dataset_fn`).
+            y: as Keras's: the targets (an array, a dict of arrays), with arrays as `x`.
+            sample_weight: as Keras's: one weight per example.
+            class_weight: as Keras's: a weight per class.
+            validation_split: as Keras's: the last share of the arrays validates.
             batch_size: the global batch (over all replicas; a multiple of their number);
                 `global_batch_size` is the same.
             epochs: epochs in all, counting those a resumed run already trained.
