@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import distrib_tf
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
@@ -53,3 +55,20 @@ def test_every_console_scripts_help_exits_0_and_gives_each_flag_its_text():
                               env={**os.environ, "PYTHONPATH": ROOT})
         assert done.returncode == 0, (name, done.stdout[-500:], done.stderr[-1000:])
         assert done.stdout.startswith(f"usage: {name}") and expected[name] in done.stdout, (name, done.stdout)
+
+
+@pytest.mark.slow  # A fresh venv and TensorFlow's wheel: minutes.
+def test_a_core_install_runs_without_the_test_tools_or_tfds(tmp_path):
+    """`pip install .` into a fresh venv: `distrib_tf.Run` works, and pytest, ruff, optuna and
+    tensorflow-datasets are not there (they are extras)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    installed = subprocess.run([python, "-m", "pip", "install", "--quiet", ROOT], capture_output=True, text=True,
+                               timeout=1200, cwd=tmp_path)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    code = ("import importlib.util, distrib_tf; distrib_tf.Run; distrib_tf.data.from_arrays; "
+            "extras = ('pytest', 'ruff', 'optuna', 'tensorflow_datasets'); "
+            "print(sorted(m for m in extras if importlib.util.find_spec(m)))")
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr[-3000:])

@@ -23,8 +23,18 @@ def _not_prepared(name: str, data_dir: str | None, error: Exception) -> FileNotF
     )
 
 
+def _tfds():
+    """tensorflow-datasets, an extra: only a TFDS dataset needs it."""
+    try:
+        import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+        raise ValueError("Missing tensorflow-datasets, which a TFDS dataset is read with. Expected it "
+                         "installed: pip install 'distrib_tf[tfds]'.") from e
+    return tfds
+
+
 def load_info(name: str, data_dir: str | None) -> registry.DatasetInfo:
-    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+    tfds = _tfds()
 
     try:
         builder_info = tfds.builder(name, data_dir=data_dir).info
@@ -48,7 +58,7 @@ def load_info(name: str, data_dir: str | None) -> registry.DatasetInfo:
 
 def data_source(info: registry.DatasetInfo, split: str):
     """The split's examples by index, or a one-line error saying how to get random access."""
-    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+    tfds = _tfds()
 
     try:
         return tfds.data_source(info.name, split=split, data_dir=info.data_dir, download=False)
@@ -98,7 +108,7 @@ def tokenize(text: tf.Tensor) -> tf.Tensor:
 
 def load(info: registry.DatasetInfo, split: str) -> tf.data.Dataset:
     """All `(x, y)` examples of `split` in TFDS's order, decoded: what `prepare` converts."""
-    import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+    tfds = _tfds()
 
     try:
         read = make_reader(info, split)
