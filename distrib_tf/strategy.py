@@ -39,24 +39,24 @@ class StrategyOptions:
     """The choices behind a strategy, validated at construction.
 
     Attributes:
-        kind: one of `KINDS`.
+        strategy: one of `KINDS`.
         cpu_replicas: split the CPU into this many logical devices for a mirrored
             strategy where there is no GPU; `None` leaves the devices alone.
         communication: all-reduce implementation, one of `COMMUNICATIONS`.
         bytes_per_pack: pack gradients into all-reduces of about this many bytes
             (multi-worker only); 0 lets TensorFlow choose.
-        timeout_seconds: a collective that takes longer fails with
+        collective_timeout: a collective that takes longer fails with
             `DeadlineExceededError` instead of hanging (multi-worker only).
     """
 
-    kind: str = "auto"
+    strategy: str = "auto"
     cpu_replicas: int | None = None
     communication: str = "auto"
     bytes_per_pack: int = 0
-    timeout_seconds: float | None = None
+    collective_timeout: float | None = None
 
     def __post_init__(self):
-        _check_choice("kind", self.kind, KINDS)
+        _check_choice("strategy", self.strategy, KINDS)
         _check_choice("communication", self.communication, COMMUNICATIONS)
         if self.cpu_replicas is not None and (
             isinstance(self.cpu_replicas, bool)
@@ -66,10 +66,10 @@ class StrategyOptions:
             _raise("cpu_replicas", self.cpu_replicas, "a positive integer or None")
         if isinstance(self.bytes_per_pack, bool) or not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
             _raise("bytes_per_pack", self.bytes_per_pack, "an integer >= 0")
-        if self.timeout_seconds is not None and not (
-            isinstance(self.timeout_seconds, (int, float)) and self.timeout_seconds > 0
+        if self.collective_timeout is not None and not (
+            isinstance(self.collective_timeout, (int, float)) and self.collective_timeout > 0
         ):
-            _raise("timeout_seconds", self.timeout_seconds, "a number of seconds > 0, or None")
+            _raise("collective_timeout", self.collective_timeout, "a number of seconds > 0, or None")
 
 
 def _float_from_env(name):
@@ -93,24 +93,24 @@ def _check_choice(name, value, choices):
 
 
 def make_strategy(
-    kind: str = "auto",
+    strategy: str = "auto",
     *,
     cpu_replicas: int | None = None,
     communication: str = "auto",
     bytes_per_pack: int = 0,
-    timeout_seconds: float | None = None,
+    collective_timeout: float | None = None,
 ) -> tf.distribute.Strategy:
     """Builds the `tf.distribute.Strategy` for this process.
 
     Args:
-        kind: `"auto"`, `"one_device"`, `"mirrored"` or `"multi_worker"`; see the
+        strategy: `"auto"`, `"one_device"`, `"mirrored"` or `"multi_worker"`; see the
             module docstring for what `"auto"` picks.
         cpu_replicas: with no GPU, split the CPU into this many logical devices and
             mirror over them (useful to try data parallelism on a laptop).
         communication: `"auto"`, `"ring"` or `"nccl"` all-reduce; `"auto"` is NCCL
             where there are GPUs (on one host and across workers), else TensorFlow's choice.
         bytes_per_pack: multi-worker gradient packing, in bytes (0: TensorFlow's).
-        timeout_seconds: multi-worker collective timeout; a lost peer then
+        collective_timeout: multi-worker collective timeout; a lost peer then
             surfaces as an error after this long instead of a hang. Default: the
             `DISTRIB_TF_COLLECTIVE_TIMEOUT` environment variable, else none.
 
@@ -131,19 +131,19 @@ def make_strategy(
         ...     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         ...     model.compile(optimizer="sgd", loss="mse")
     """
-    if timeout_seconds is None and os.environ.get(TIMEOUT_ENV):
-        timeout_seconds = _float_from_env(TIMEOUT_ENV)
+    if collective_timeout is None and os.environ.get(TIMEOUT_ENV):
+        collective_timeout = _float_from_env(TIMEOUT_ENV)
     _drop_legacy_keras_without_tf_keras()
     options = StrategyOptions(
-        kind=kind,
+        strategy=strategy,
         cpu_replicas=cpu_replicas,
         communication=communication,
         bytes_per_pack=bytes_per_pack,
-        timeout_seconds=timeout_seconds,
+        collective_timeout=collective_timeout,
     )
     tf_config = cluster.load_tf_config()
-    _check_layout(options.kind, tf_config)
-    kind = options.kind
+    _check_layout(options.strategy, tf_config)
+    kind = options.strategy
     if kind == "auto":
         kind = _auto_kind(tf_config, options)
     if kind == "multi_worker":
@@ -176,7 +176,7 @@ def _check_layout(kind: str, tf_config) -> None:
     spec, task = tf_config
     if spec.num_workers > 1 and task.type != "evaluator":
         raise ValueError(
-            f"Invalid value for argument `kind`. Received: kind={kind!r} while TF_CONFIG "
+            f"Invalid value for argument `strategy`. Received: strategy={kind!r} while TF_CONFIG "
             f"names {spec.num_workers} training tasks (this is {task}). Expected 'auto' or "
             f"'multi_worker': {kind!r} would train {spec.num_workers} separate copies that "
             "all write as chief. Unset TF_CONFIG to train on this host alone."
@@ -237,14 +237,14 @@ def _make_one_device() -> tf.distribute.Strategy:
 def _make_multi_worker(tf_config, options: StrategyOptions) -> tf.distribute.Strategy:
     if tf_config is None:
         raise ValueError(
-            "Invalid value for argument `kind`. Received: kind='multi_worker' with no "
+            "Invalid value for argument `strategy`. Received: strategy='multi_worker' with no "
             "TF_CONFIG set. Expected TF_CONFIG naming this task's cluster; start the "
             "workers with `python -m distrib_tf.launch --cluster_spec=PATH -- ...`."
         )
     if options.cpu_replicas not in (None, 1):
         _raise(
             "cpu_replicas", options.cpu_replicas,
-            "None or 1 with kind='multi_worker': a multi-worker strategy trains on "
+            "None or 1 with strategy='multi_worker': a multi-worker strategy trains on "
             "one CPU device per worker",
         )
     if _runtime_started():
@@ -258,7 +258,7 @@ def _make_multi_worker(tf_config, options: StrategyOptions) -> tf.distribute.Str
     }[options.communication]
     communication_options = tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=options.bytes_per_pack,
-        timeout_seconds=options.timeout_seconds,
+        timeout_seconds=options.collective_timeout,
         implementation=implementation,
     )
     return tf.distribute.MultiWorkerMirroredStrategy(

@@ -45,7 +45,7 @@ def _plain_and_run(tmp_path, fit):
 
     plain = build()
     results = [fit(plain, x, y), plain.evaluate(x, y, return_dict=True, verbose=0)]
-    run = distrib_tf.Run(tmp_path / "run", exit_codes=False)
+    run = distrib_tf.Run(tmp_path / "run", exit_on_error=False)
     try:
         model = build()
         assert model.distribute_strategy is run.strategy  # Built under it without a scope of its own.
@@ -74,7 +74,7 @@ def test_model_fit_takes_keras_arguments_and_gives_plain_keras_history(tmp_path,
 def test_a_dataset_without_a_length_needs_steps_and_a_bad_argument_is_one_line(tmp_path):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
-    run = distrib_tf.Run(tmp_path / "run", exit_codes=False)
+    run = distrib_tf.Run(tmp_path / "run", exit_on_error=False)
     try:
         model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")
@@ -198,7 +198,7 @@ def test_mixed_precision_trains_and_a_loss_scale_overflow_is_no_nan_stop(tmp_pat
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(128, 4)).astype("float32"), rng.normal(size=(128, 1)).astype("float32")
     keras.mixed_precision.set_global_policy(policy)
-    run = distrib_tf.Run(tmp_path / "run", exit_codes=False)
+    run = distrib_tf.Run(tmp_path / "run", exit_on_error=False)
     try:
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
                                   keras.layers.Dense(1, dtype="float32")])
@@ -248,7 +248,7 @@ def test_a_py_dataset_resumes_at_its_step_reading_no_batch_before_it(tmp_path):
     expected.on_epoch_end()  # What Keras would have called after epoch 1.
     assert [b.tolist() for b in resumed] == [expected[2][0].tolist(), expected[3][0].tolist()]
     assert source.read == [2, 3]  # Not the six batches before it.
-    run = distrib_tf.Run(tmp_path / "run", exit_codes=False)
+    run = distrib_tf.Run(tmp_path / "run", exit_on_error=False)
     try:
         model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")

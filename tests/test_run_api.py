@@ -33,7 +33,7 @@ def _sigterm_as_it_was():
 def test_fit_on_arrays_with_two_inputs_returns_a_history_and_the_model_loads_with_plain_keras(tmp_path):
     (tmp_path / "run").mkdir(mode=0o755)  # An existing model_dir: tightened (issue 33 item 8).
     (tmp_path / "run").chmod(0o755)
-    run = distrib_tf.Run(tmp_path / "run", seed=0, backup_every_steps=4, exit_codes=False)
+    run = distrib_tf.Run(tmp_path / "run", seed=0, backup_every_steps=4, exit_on_error=False)
     with run.strategy.scope():
         model = my_models.build(total_steps=32)
     x, y = my_models.arrays(256)
@@ -80,7 +80,7 @@ def test_any_random_access_source_an_image_folder_and_the_tf_data_hatch(tmp_path
     x, y = images.make_reader()(tf.constant([0, 5], tf.int64))
     assert x.shape == (2, 28, 28, 3) and list(y.numpy()) == [0, 1] and images.info.num_classes == 2
     assert x.numpy()[0, 0, 0, 0] == pytest.approx(1.0) and x.numpy()[1, 0, 0, 2] == pytest.approx(1.0)
-    run = distrib_tf.Run(tmp_path / "run", exit_codes=False)
+    run = distrib_tf.Run(tmp_path / "run", exit_on_error=False)
     with run.strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")
@@ -98,7 +98,7 @@ def test_any_random_access_source_an_image_folder_and_the_tf_data_hatch(tmp_path
 ])
 def test_bad_run_arguments_are_one_line(tmp_path, arguments, error):
     with pytest.raises(InvalidRun) as raised:
-        distrib_tf.Run(tmp_path, exit_codes=False, **arguments)
+        distrib_tf.Run(tmp_path, exit_on_error=False, **arguments)
     assert error in str(raised.value) and "\n" not in str(raised.value)
 
 
@@ -143,7 +143,7 @@ def test_backups_of_the_run_are_resumed_unless_a_fresh_start_is_asked_for(tmp_pa
             model.compile(optimizer="sgd", loss="mse")
         return model
 
-    first = distrib_tf.Run(tmp_path / "run", run_id="mine", exit_codes=False)
+    first = distrib_tf.Run(tmp_path / "run", run_id="mine", exit_on_error=False)
     model = model_of(first)
     keep = backup_lib.WorkerBackup(first.backup_dir, run="mine", task="chief:0", steps_per_epoch=4)
     keep.set_model(model)
@@ -151,7 +151,7 @@ def test_backups_of_the_run_are_resumed_unless_a_fresh_start_is_asked_for(tmp_pa
     model.optimizer.iterations.assign(6)
     keep.step = 6
     keep.save()
-    run = distrib_tf.Run(tmp_path / "run", run_id="mine", fresh_start=fresh_start, exit_codes=False)
+    run = distrib_tf.Run(tmp_path / "run", run_id="mine", fresh_start=fresh_start, exit_on_error=False)
     run.fit(model_of(run), distrib_tf.data.from_arrays(x, y), epochs=2, global_batch_size=8, verbose=0)
     said = capsys.readouterr().out
     if fresh_start:

@@ -34,7 +34,7 @@ def test_auto_without_tf_config_is_one_device():
 
 
 def test_mirrored_over_logical_cpus():
-    built = describe(kind="mirrored", cpu_replicas=2)
+    built = describe(strategy="mirrored", cpu_replicas=2)
     assert built["class"] == "MirroredStrategy" and built["replicas"] == 2
     assert [d[-5:] for d in built["devices"]] == ["CPU:0", "CPU:1"]
     assert built["line"].startswith("MirroredStrategy: 2 replica(s)")
@@ -46,7 +46,7 @@ def test_auto_with_cpu_replicas_is_mirrored():
 
 def test_explicit_kind_wins_over_a_one_task_tf_config():
     spec = local_spec(1).with_free_ports()
-    single = run_single([DESCRIBE, json.dumps({"kind": "mirrored", "cpu_replicas": 2})],
+    single = run_single([DESCRIBE, json.dumps({"strategy": "mirrored", "cpu_replicas": 2})],
                         env={**ENV, "TF_CONFIG": spec.tf_config(spec.tasks[0])})
     check_ok([single])
     assert json.loads(single.output.strip().splitlines()[-1])["class"] == "MirroredStrategy"
@@ -54,16 +54,16 @@ def test_explicit_kind_wins_over_a_one_task_tf_config():
 
 def test_local_kind_for_a_task_of_several_is_refused():
     spec = local_spec(2).with_free_ports()
-    single = run_single([DESCRIBE, json.dumps({"kind": "one_device"})],
+    single = run_single([DESCRIBE, json.dumps({"strategy": "one_device"})],
                         env={**ENV, "TF_CONFIG": spec.tf_config(spec.tasks[1])})
     assert single.returncode != 0
-    assert ("ValueError: Invalid value for argument `kind`. Received: kind='one_device' while "
+    assert ("ValueError: Invalid value for argument `strategy`. Received: strategy='one_device' while "
             "TF_CONFIG names 2 training tasks (this is worker:1).") in single.output
 
 
 @pytest.mark.multiworker
 def test_auto_from_tf_config_is_multi_worker():
-    results = check_ok(run_cluster([DESCRIBE, json.dumps({"communication": "ring", "timeout_seconds": 30})],
+    results = check_ok(run_cluster([DESCRIBE, json.dumps({"communication": "ring", "collective_timeout": 30})],
                                    spec=local_spec(2), env=ENV, timeout=120))
     lines = [json.loads(r.output.strip().splitlines()[-1])["line"] for r in results]
     for index, line in enumerate(lines):
@@ -72,14 +72,14 @@ def test_auto_from_tf_config_is_multi_worker():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"kind": "tpu"}, r"Invalid value for argument `kind`\. Received: kind='tpu'\. "
+    ({"strategy": "tpu"}, r"Invalid value for argument `strategy`\. Received: strategy='tpu'\. "
                       r"Expected one of 'auto', 'one_device', 'mirrored', 'multi_worker'"),
     ({"communication": "mpi"}, r"Received: communication='mpi'"),
     ({"cpu_replicas": 0}, r"Received: cpu_replicas=0\. Expected a positive integer or None"),
-    ({"timeout_seconds": -1}, r"Received: timeout_seconds=-1"),
+    ({"collective_timeout": -1}, r"Received: collective_timeout=-1"),
     ({"bytes_per_pack": -5}, r"Received: bytes_per_pack=-5"),
-    ({"kind": "multi_worker"}, r"Received: kind='multi_worker' with no TF_CONFIG set"),
-    ({"kind": "mirrored", "cpu_replicas": 2, "start_runtime_first": True},
+    ({"strategy": "multi_worker"}, r"Received: strategy='multi_worker' with no TF_CONFIG set"),
+    ({"strategy": "mirrored", "cpu_replicas": 2, "start_runtime_first": True},
      r"make_strategy\(\) must be called before TensorFlow runs any operation"),
 ])
 def test_bad_arguments(kwargs, message):

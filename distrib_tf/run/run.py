@@ -35,7 +35,7 @@ from the `with` block or, without one, from the uncaught error; leaving normally
 block, or the script's end) writes `summary.json`, keeps only each worker's last backup
 of each `fit` once every worker's outputs are written (a rerun returns at once), and,
 under several workers, meets every worker at a barrier before returning. In Jupyter (no
-exit codes wanted) pass `exit_codes=False` and call `run.end()`: the errors are raised as
+exit codes wanted) pass `exit_on_error=False` and call `run.end()`: the errors are raised as
 they are.
 """
 
@@ -98,9 +98,10 @@ class Run:
         run_id: what a backup must match to be resumed; by default a digest of the
             model's variables, its optimizer's configuration, the data, the global batch,
             the seed and the sync mode.
-        strategy: passed to `make_strategy` as `kind`.
+        strategy: passed to `make_strategy`: `"auto"`, `"one_device"`, `"mirrored"` or
+            `"multi_worker"` (the strategy object is `run.strategy`).
         cpu_replicas: passed to `make_strategy`.
-        collective_timeout: passed to `make_strategy` as `timeout_seconds`.
+        collective_timeout: passed to `make_strategy`.
         keep_checkpoints: the chief keeps this run's last N epoch checkpoints
             (`checkpoints/epochNNN.weights.h5`); `None`: every epoch's.
         backup_in_background: a backup stops training only while the state is copied into
@@ -109,7 +110,7 @@ class Run:
         fresh_start: start at step 0 even beside backups of this run (each worker deletes
             its own and every backup of the run it can see, and says so); by default a run
             always resumes from the newest of them, on any layout.
-        exit_codes: leave by the exit codes of `distrib_tf.run.ending`, from the `with`
+        exit_on_error: leave by the exit codes of `distrib_tf.run.ending`, from the `with`
             block or an uncaught error, and end the run with the script (default: yes,
             but not in Jupyter, where `run.end()` ends it).
 
@@ -128,8 +129,8 @@ class Run:
                  run_id: str | None = None, strategy: str = "auto", cpu_replicas: int | None = None,
                  collective_timeout: float | None = None, fresh_start: bool = False,
                  keep_checkpoints: int | None = 3, backup_in_background: bool = True,
-                 exit_codes: bool | None = None):
-        self.exit_codes = (("ipykernel" not in sys.modules) if exit_codes is None else exit_codes)
+                 exit_on_error: bool | None = None):
+        self.exit_on_error = (("ipykernel" not in sys.modules) if exit_on_error is None else exit_on_error)
         try:
             self._start(model_dir, seed=seed, backup_every_steps=backup_every_steps, on_nan=on_nan,
                         max_rollbacks=max_rollbacks, sync=sync, outer_optimizer=outer_optimizer,
@@ -138,7 +139,7 @@ class Run:
                         cpu_replicas=cpu_replicas, collective_timeout=collective_timeout,
                         keep_checkpoints=keep_checkpoints, backup_in_background=backup_in_background)
         except InvalidRun as e:
-            if not self.exit_codes:
+            if not self.exit_on_error:
                 raise
             ending.exit_for(e, "chief:0", program=ending.program())  # One line, exit 2.
         self.fresh_start = bool(fresh_start)
@@ -150,7 +151,7 @@ class Run:
         self._schedule = None  # The user's learning-rate schedule, after a rollback replaced it.
         tf.distribute.experimental_set_strategy(self.strategy)  # The script's models are built under it.
         routing.activate(self)  # And their `model.fit` is this run's.
-        if self.exit_codes:
+        if self.exit_on_error:
             ending.take_uncaught(self)
 
     def _start(self, model_dir, *, seed, strategy, cpu_replicas, collective_timeout, **options):
@@ -161,7 +162,7 @@ class Run:
         # Reclaimed from TensorFlow's once the strategy is made; outside fit and the outputs, its own meaning.
         preemption.install_sigterm_handler(outside_phases="default")
         try:
-            self.strategy = make_strategy(strategy, cpu_replicas=cpu_replicas, timeout_seconds=collective_timeout)
+            self.strategy = make_strategy(strategy, cpu_replicas=cpu_replicas, collective_timeout=collective_timeout)
         except ValueError as e:
             raise InvalidRun(str(e)) from e
         preemption.reclaim_sigterm()
@@ -343,10 +344,10 @@ class Run:
         self._crashed = error is not None  # No clean end at exit either (`ending.take_uncaught`).
         if error is None:
             self.end()
-            if self._fitted and self.exit_codes and phases.is_multi_worker(self.strategy):
+            if self._fitted and self.exit_on_error and phases.is_multi_worker(self.strategy):
                 ending.leave_together(self.strategy, self.is_chief)
             return False
-        if self.exit_codes and isinstance(error, Exception):
+        if self.exit_on_error and isinstance(error, Exception):
             ending.exit_for(error, self.task, program=ending.program(), strategy=self.strategy,
                             is_chief=self.is_chief)
         return False

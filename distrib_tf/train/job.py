@@ -105,7 +105,8 @@ def prepare_job(config: TrainConfig, model_dir: str) -> Job:
               allreduce_dtype=config.allreduce_dtype, run_id=config.run_id(), strategy=config.strategy,
               cpu_replicas=config.cpu_replicas, collective_timeout=config.collective_timeout,
               fresh_start=config.fresh_start, keep_checkpoints=config.keep_checkpoints,
-              backup_in_background=config.backup_in_background, exit_codes=False)  # The CLI leaves by its codes itself.
+              backup_in_background=config.backup_in_background,
+              exit_on_error=False)  # The CLI leaves by its codes itself.
     info, train, validation = load_data(config)
     if config.model in MODEL_KINDS and getattr(info, "kind", None) != MODEL_KINDS[config.model]:
         invalid_flag("dataset", config.dataset,

@@ -96,7 +96,7 @@ def main():
     if args.hang_seconds:
         import faulthandler  # pylint: disable=import-outside-toplevel
         faulthandler.dump_traceback_later(args.hang_seconds, exit=True)
-    strategy = distrib_tf.make_strategy(timeout_seconds=args.collective_timeout)
+    strategy = distrib_tf.make_strategy(collective_timeout=args.collective_timeout)
     if args.without_fix:
         from distrib_tf.keras import compat  # pylint: disable=import-outside-toplevel
         compat.revert(args.without_fix)

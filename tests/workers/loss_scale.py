@@ -25,7 +25,7 @@ def main():
     parser.add_argument("--without_fix", default="")
     parser.add_argument("--collective_timeout", type=float, default=None)
     args = parser.parse_args()
-    strategy = distrib_tf.make_strategy(timeout_seconds=args.collective_timeout)
+    strategy = distrib_tf.make_strategy(collective_timeout=args.collective_timeout)
     if args.without_fix:
         from distrib_tf.keras import compat  # pylint: disable=import-outside-toplevel
         compat.revert(args.without_fix)
