@@ -97,3 +97,27 @@ def test_the_blocks_marked_to_run_here_run(tmp_path):
             assert done.returncode == 0, f"{page}:{line}: {done.stderr[-2000:]}"
             ran += 1
     assert ran >= 1
+
+
+def test_every_public_signature_has_type_hints():
+    """Every parameter and return of the functions and methods the API reference lists
+    (`py.typed` says the hints are for users)."""
+    missing = []
+    for path in _api_paths():
+        found = _resolve(path)
+        if inspect.isclass(found) and issubclass(found, BaseException):
+            continue
+        functions = [(f"{path}.{name}", f) for name, f in vars(found).items()
+                     if callable(f) and (not name.startswith("_") or name == "__init__")] if inspect.isclass(found) \
+            else [(path, found)]
+        for name, function in functions:
+            try:
+                signature = inspect.signature(function)
+            except (TypeError, ValueError):
+                continue
+            missing += [f"{name}({p})" for p, parameter in signature.parameters.items()
+                        if p not in ("self", "cls") and parameter.annotation is inspect.Parameter.empty
+                        and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)]
+            if signature.return_annotation is inspect.Signature.empty and not name.endswith("__init__"):
+                missing.append(f"{name} -> ?")
+    assert not missing, missing

@@ -126,7 +126,7 @@ def from_dataset(dataset: tf.data.Dataset, *, steps_per_epoch: int | None = None
     return Batches(batches, steps_per_epoch, "a tf.data.Dataset", skips=True)
 
 
-def from_py_dataset(py_dataset) -> Batches:
+def from_py_dataset(py_dataset: Any) -> Batches:
     """A `keras.utils.PyDataset` (anything with `__len__` and `__getitem__(i)` giving batch
     `i` as `x`, `(x, y)` or `(x, y, sample_weight)`), read by index: a resume at step `s`
     reads batch `s mod len` after calling `on_epoch_end()` once per epoch before it, as
@@ -232,7 +232,7 @@ def from_arrays(x: Any, y: Any = None, *, sample_weight: Any = None, name: str =
     return Examples(name, rows.pop(), make_reader, fingerprint=_digest(flat))
 
 
-def from_source(source, *, label: str = "label", name: str | None = None) -> Examples:
+def from_source(source: Any, *, label: str = "label", name: str | None = None) -> Examples:
     """Examples of a random-access source: `len(source)` of them, `source[i]` the `i`th.
 
     An element is a `(x, y)` tuple, or a dict: its `label` key is the target and the other

@@ -39,6 +39,7 @@ exit codes wanted) pass `exit_on_error=False` and call `run.end()`: the errors a
 they are.
 """
 
+import contextlib
 import os
 import sys
 from typing import Any
@@ -196,8 +197,8 @@ class Run:
 
     # The data.
 
-    def distribute(self, data, *, global_batch_size: int, start_step: int = 0, shuffle: bool = False,
-                   one_pass: bool = True):
+    def distribute(self, data: Any, *, global_batch_size: int, start_step: int = 0, shuffle: bool = False,
+                   one_pass: bool = True) -> tf.distribute.DistributedDataset:
         """`data` (a `distrib_tf.data` source or a batched `tf.data.Dataset`) as a distributed
         dataset of global batches, in the run's order from `start_step`: by default one pass,
         to the end of that epoch (for `evaluate` and `predict`); `one_pass=False`: endless."""
@@ -287,12 +288,12 @@ class Run:
 
     # Outputs and the end.
 
-    def outputs(self):
+    def outputs(self) -> contextlib.AbstractContextManager:
         """A context for the chief's outputs after `fit`: a SIGTERM inside exits 75 at once
         (every worker's backup holds the last step; a restart writes them again)."""
         return preemption.saved(self.step)
 
-    def save(self, model) -> str | None:
+    def save(self, model: keras.Model) -> str | None:
         """The chief writes `model.keras` and `serving/` under `model_dir`
         (`distrib_tf.run.export`); returns the `.keras` path there, `None` elsewhere."""
         with self.outputs():
