@@ -13,6 +13,7 @@ import pytest
 from cluster_runner import QUIET_TF
 from cluster_runner import latest_backup
 from cluster_runner import start_and_wait_for
+from distrib_tf import events
 from distrib_tf import launch
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import Task
@@ -42,17 +43,26 @@ def test_task_env_is_pure_and_complete():
     assert env["DISTRIB_TF_GRACE_SECONDS"] == "10.0"  # The preemption handshake fits inside it.
 
 
+GLOG = re.compile(r"^(\[[a-z]+:\d+\] )?[IWE]\d{4} \d\d:\d\d:\d+\.\d+ ")
+PYTHON_WARNING = re.compile(r"\w+Warning: ")
+
+
 @pytest.mark.multiworker
-def test_two_workers_train_through_the_launcher_and_one_speaks(tmp_path):
-    """Without DISTRIB_TF_VERBOSE, as a user runs it: the chief speaks for the job, in Keras's
-    lines with the user's metrics only. At most 16 lines for 3 epochs: Keras's 2 an epoch (6),
-    the launcher's 3 at the start and 1 at the end, the chief's strategy, its 2 pipelines and
-    the summary's path (4), and the launcher's plain status line every 30 s (2 at most here)."""
-    quiet = {k: v for k, v in ENV.items() if k != "DISTRIB_TF_VERBOSE"}
+def test_two_workers_train_through_the_launcher_one_speaks_and_every_event_streams(tmp_path):
+    """As a user runs it (no DISTRIB_TF_VERBOSE, TensorFlow's log level unset): the chief speaks
+    for the job, in Keras's lines with the user's metrics only. At most 16 lines for 3 epochs:
+    Keras's 2 an epoch (6), the launcher's 3 at the start and 1 at the end, the chief's
+    strategy, its 2 pipelines and the summary's path (4), and the launcher's plain status line
+    every 30 s (2 at most here). No TensorFlow log line or Python warning, in what is shown
+    or in the raw task logs (but the cuInit error the launcher drops); every event streamed;
+    the summary, checkpoints and TensorBoard logs written; the model loads elsewhere."""
+    model_dir, stream = tmp_path / "run", tmp_path / "events.jsonl"
+    user = {**{k: v for k, v in os.environ.items() if k not in ("DISTRIB_TF_VERBOSE", "TF_CPP_MIN_LOG_LEVEL")},
+            "PYTHONPATH": ROOT}
     result = subprocess.run(launch_cmd("local_2workers.json", sys.executable, "-m", "distrib_tf.train",
-                                       "--epochs=3", "--steps_per_epoch=20", f"--model_dir={tmp_path}/run",
-                                       options=[f"--log_dir={tmp_path}/logs"]),
-                            env=quiet, capture_output=True, text=True, timeout=300)
+                                       "--epochs=3", "--steps_per_epoch=20", f"--model_dir={model_dir}",
+                                       options=[f"--log_dir={tmp_path}/logs", f"--events={stream}"]),
+                            env=user, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     lines = (result.stdout + result.stderr).splitlines()
     assert len(lines) <= 16, "\n".join(lines)
@@ -60,19 +70,44 @@ def test_two_workers_train_through_the_launcher_and_one_speaks(tmp_path):
         f"[worker:0] Epoch {k}/3" for k in (1, 2, 3)]  # Each epoch once.
     assert not [line for line in lines if line.startswith("[worker:1]")]  # Nothing happened to it.
     assert not re.search(r"nonfinite|step_seconds|epoch_seconds|examples_per_second|sha256", result.stdout)
-    assert f"[worker:0] summary: {tmp_path}/run/summary.json" in lines
-    with open(tmp_path / "run" / "summary.json") as f:
-        summary = json.load(f)
-    assert summary["workers"] == 2
+    assert f"[worker:0] summary: {model_dir}/summary.json" in lines
+    assert not [line for line in lines if GLOG.match(line) or PYTHON_WARNING.search(line)]
     assert sorted(os.listdir(tmp_path / "logs")) == ["worker_0.log", "worker_1.log"]
+    raw = [line for name in ("worker_0.log", "worker_1.log")
+           for line in (tmp_path / "logs" / name).read_text().splitlines()]
+    assert not [line for line in raw if re.match(r"^[WE]\d{4} ", line) and "failed call to cuInit" not in line]
+    assert not [line for line in raw if PYTHON_WARNING.search(line)]
+
+    found = events.read(str(stream))
+    kinds = [(e["task"], e["event"]) for e in found]
+    for task in ("worker:0", "worker:1"):
+        for kind in ("started", "train_begin", "progress", "finished"):
+            assert (task, kind) in kinds, (task, kind)
+        assert [e["epoch"] for e in found if e["task"] == task and e["event"] == "epoch"] == [1, 2, 3]
+    assert kinds[-1] == ("launcher", "job_end") and found[-1]["exit_code"] == 0
+    times = [e["worker_step_seconds"] for e in found if e["event"] == "progress" and e["worker_step_seconds"]]
+    assert times and set(times[-1]) == {"worker:0", "worker:1"} and all(t > 0 for t in times[-1].values())
+    epoch = [e for e in found if e["event"] == "epoch"][-1]["metrics"]
+    assert epoch["val_accuracy"] > 0 and epoch["step_seconds_worker_1"] > 0
+    assert sum(e["event"] == "backup" for e in found) >= 4
+
+    with open(model_dir / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["workers"] == 2 and summary["replicas"] == 2 and summary["strategy"] == "MultiWorkerMirroredStrategy"
+    assert all(v == v for v in summary["final"].values())  # No NaN.
+    assert all(e["step_seconds_worker_0"] > 0 and e["step_seconds_worker_1"] > 0 for e in summary["epochs"])
+    assert sorted(os.listdir(model_dir / "checkpoints")) == [
+        f"epoch00{k}.{ext}" for k in (1, 2, 3) for ext in ("json", "weights.h5")]
+    board = b"".join(p.read_bytes() for p in (model_dir / "logs").rglob("events.out.tfevents*"))
+    assert b"epoch_step_seconds_worker_1" in board
     # The trained model, loaded in a process of its own: the weights the job ended with,
     # and the SavedModel serves what Keras predicts.
     loaded = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "workers", "load_model.py"),
-                             str(tmp_path / "run")], env=ENV, capture_output=True, text=True, timeout=120)
+                             str(model_dir)], env=ENV, capture_output=True, text=True, timeout=120)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
-    found = json.loads(loaded.stdout.strip().splitlines()[-1])
-    assert found["weights_sha256"] == summary["weights_sha256"]
-    assert found["max_difference"] < 1e-5 and found["serving_accuracy"] == found["keras_accuracy"]
+    loaded = json.loads(loaded.stdout.strip().splitlines()[-1])
+    assert loaded["weights_sha256"] == summary["weights_sha256"]
+    assert loaded["max_difference"] < 1e-5 and loaded["serving_accuracy"] == loaded["keras_accuracy"]
 
 
 @pytest.mark.multiworker

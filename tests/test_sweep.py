@@ -96,6 +96,15 @@ def test_a_trial_that_fails_for_its_own_reason_is_recorded_and_the_sweep_goes_on
         assert ("swept_script.py: error: Invalid sweep parameter `dropout` for swept_script.py. Received: "
                 f"dropout={row['dropout']}. Expected one that its distrib_tf.params(...) declares: "
                 "learning_rate, units.") in row["cause"], row["cause"]
+    # A metric its epochs do not log, with a pruner: each epoch goes on at once (no word to wait
+    # for), and the trial fails naming what they log.
+    typo = _sweep("--space=units=[8]", f"--cluster_spec={SPEC}", "--workers_per_trial=1", "--pruner=median",
+                  "--metric=val_acuracy", f"--sweep_dir={tmp_path}/typo", "--", "python", SCRIPT, "--epochs=2",
+                  timeout=120)
+    assert typo.returncode == 1, typo.stdout + typo.stderr
+    row, = _rows(tmp_path / "typo")
+    assert row["status"] == "failed" and "no val_acuracy in its epochs" in row["cause"], row
+    assert "val_loss" in row["cause"] and "val_within_half" in row["cause"]
 
 
 def _trial_tasks(sweep_dir: str) -> list[int]:
@@ -188,7 +197,9 @@ def test_two_trials_at_once_on_four_slots_never_more_than_four_tasks(tmp_path):
 
 
 @pytest.mark.multiworker
-def test_ctrl_c_backs_up_every_trial_and_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 75)])
+def test_ctrl_c_or_sigterm_backs_up_every_trial_and_leaves_no_process(tmp_path, signum, code):
+    """Ctrl-C exits 130; SIGTERM (a scheduler's notice) 75: every trial saved, start it again."""
     proc = subprocess.Popen(
         [sys.executable, "-m", SWEEP, f"--cluster_spec={SPEC}", "--space=units=[8]", f"--sweep_dir={tmp_path}",
          "--", "python", SCRIPT, "--epochs=50"],
@@ -198,9 +209,9 @@ def test_ctrl_c_backs_up_every_trial_and_leaves_no_process(tmp_path):
     while not any(e["event"] == "progress" for e in follower()):
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=90)
-    assert proc.returncode == 130 and "every running trial backed up and stopped" in stderr, stderr
+    assert proc.returncode == code and "every running trial backed up and stopped" in stderr, stderr
     assert _trial_tasks(tmp_path) == []
     ends = [e for e in events.read(next_trial_events(tmp_path)) if e["event"] == "job_end"]
     assert [e["exit_code"] for e in ends] == [75]

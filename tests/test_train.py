@@ -50,8 +50,9 @@ def test_offline_default_trains_and_beats_chance(tmp_path, model, dataset, chanc
 
 
 @pytest.mark.multiworker
-@pytest.mark.parametrize("model, precision", [("cnn", "off"), pytest.param("transformer", "bfloat16",
-                                                                          marks=pytest.mark.slow)])  # make soak.
+@pytest.mark.parametrize("model, precision", [  # make soak (make test's launcher test checks the rest).
+    pytest.param("cnn", "off", marks=pytest.mark.slow),
+    pytest.param("transformer", "bfloat16", marks=pytest.mark.slow)])
 def test_two_workers_write_one_summary(tmp_path, model, precision):
     model_dir = tmp_path / "run"
     results = check_ok(run_cluster([*TRAIN, f"--model={model}", f"--mixed_precision={precision}", "--epochs=2",

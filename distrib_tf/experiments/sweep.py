@@ -32,7 +32,8 @@ the sampler goes on (seeded by the trials so far), and a grid runs in the order 
 A trial that fails for its own reason (a NaN, a bad value) is recorded with its cause and
 the sweep goes on. Results (`distrib_tf.experiments.sweep_results`): `results.csv`, a live
 line, and `sweep.png`. Bad input prints one line and exits 2 before anything starts. Exit
-codes: 0 every trial finished or was pruned; 1 some failed; 2 bad input; 130 interrupted.
+codes: 0 every trial finished or was pruned; 1 some failed; 2 bad input; 75 SIGTERM, every
+running trial backed up (start it again); 130 interrupted.
 
 This module imports no TensorFlow.
 """
@@ -165,15 +166,16 @@ class Sweep:
                 continue
             value = event.get("metrics", {}).get(self.metric)
             trial.epochs = event.get("epochs", trial.epochs)
-            if value is None or not math.isfinite(value):
-                continue
-            trial.curve[event["epoch"]] = value
-            asked.report(value, event["epoch"])
+            usable = value is not None and math.isfinite(value)
+            if usable:
+                trial.curve[event["epoch"]] = value
+                asked.report(value, event["epoch"])
+                board.epoch(trial, event["epoch"], value)
             decided = os.path.exists(os.path.join(trial.model_dir, trial_lib.DECISIONS, f"epoch-{event['epoch']}"))
             if self.prunes and not decided:  # An epoch of an earlier attempt keeps its word.
-                prune = asked.should_prune()
-                trial_lib.write_decision(trial.model_dir, event["epoch"], prune)
-            board.epoch(trial, event["epoch"], value)
+                # Without the metric (a NaN, or a name its epochs do not log) the trial goes on:
+                # it ends failed, saying which metrics it logs, instead of waiting for a word.
+                trial_lib.write_decision(trial.model_dir, event["epoch"], usable and asked.should_prune())
 
 
 def _root_cause(model_dir: str) -> str:
@@ -204,11 +206,11 @@ def _leftovers(study, optuna) -> tuple[list, list[dict]]:
     return done, retry
 
 
-def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> bool:
+def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
     """Runs `study` up to `total` trials, `parallel` at a time, each a distributed run.
 
-    Returns whether it ran to the end (False: interrupted by Ctrl-C or SIGTERM, once every
-    running trial has backed up and stopped).
+    Returns 0 once it ran to the end; interrupted (Ctrl-C or SIGTERM, the running trials
+    told to back up and stop, and stopped), 75 for a SIGTERM that every trial saved on, else 130.
     """
     optuna = _optuna()
     done, retry = _leftovers(study, optuna)
@@ -217,6 +219,8 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> bool:
     ended = {sweep_results.trial_id(t.params): (t.state.name, t.value, t.number) for t in done}
     running: dict[int, Trial] = {}
     lock, stopping = threading.RLock(), threading.Event()
+    received: list[int] = []
+    codes: list[int] = []  # The exit codes of the trials the sweep's interruption stopped.
 
     def objective(asked):
         values = suggest(asked, sweep.space)
@@ -256,6 +260,7 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> bool:
             trial.status = "finished"
         elif stopping.is_set() or code in (exit_codes.PREEMPTED, exit_codes.INTERRUPTED):
             trial.status = "interrupted"
+            codes.append(code)
         else:
             trial.status = "failed"
             trial.cause = _root_cause(trial.model_dir) if code else (
@@ -275,6 +280,7 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> bool:
 
     def interrupt(signum, frame):
         stopping.set()
+        received.append(signum)
         with lock:
             for trial in running.values():
                 os.killpg(trial.proc.pid, signal.SIGTERM)  # Every worker backs up one step, then stops.
@@ -288,7 +294,11 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> bool:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         board.stop()
-    return not stopping.is_set()
+    if not stopping.is_set():
+        return exit_codes.OK
+    if received[:1] == [signal.SIGTERM] and all(code == exit_codes.PREEMPTED for code in codes):
+        return exit_codes.PREEMPTED  # A scheduler's notice, every trial backed up: start it again.
+    return exit_codes.INTERRUPTED
 
 
 def _reported(trial: Trial) -> list[str]:
@@ -405,12 +415,12 @@ def main(argv: list[str] | None = None) -> int:
     sweep = Sweep(space, args.sweep_dir, command, where, args.metric, args.mode, args.pruner != "none")
     board = sweep_results.Board(args.metric, args.mode, sys.stdout)
     sweep.say = board.say
-    whole = run_sweep(study, sweep, total=total, parallel=parallel, board=board)
+    code = run_sweep(study, sweep, total=total, parallel=parallel, board=board)
     rows = sweep_results.write(study, sweep.sweep_dir, space, metric=args.metric, mode=args.mode)
-    if not whole:
+    if code != exit_codes.OK:
         print("sweep: interrupted; every running trial backed up and stopped. Run the same command to go on.",
               file=sys.stderr)
-        return exit_codes.INTERRUPTED
+        return code
     print(sweep_results.format_table(rows, [d.name for d in space], args.metric))
     plot = sweep_results.plot(rows, [d.name for d in space], os.path.join(args.sweep_dir, "sweep.png"),
                               metric=args.metric, mode=args.mode)

@@ -69,8 +69,8 @@ the launcher gets SIGTERM when the sweep dies, so its trial backs up and stops a
 Signal handlers only record the signal; the supervision loop acts on it.
 
 Exit codes (`distrib_tf.exit_codes`): 0 every task succeeded; 1 a task failed and no
-restarts remain; 2 bad input (nothing started, or a task reported bad input); 3 a sweep
-pruned the trial, every worker saved its state; 65 the main
+restarts remain; 2 bad input (nothing started, or a task reported bad input); 3 (a sweep's
+trial only) the sweep pruned it, every worker saved its state; 65 the main
 job stopped on a NaN or Inf loss; 75
 preempted, the state is saved, start again to resume; 130 interrupted by Ctrl-C (or
 SIGTERM to a job that did not save).

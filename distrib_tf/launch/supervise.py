@@ -17,6 +17,7 @@ import time
 from distrib_tf import events
 from distrib_tf import exit_codes
 from distrib_tf import lifeline
+from distrib_tf import trial
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import Task
 from distrib_tf.deploy import slurm
@@ -293,11 +294,11 @@ def _run(config: LaunchConfig, console: console_lib.Sink) -> LaunchResult:
                      "as a restart)", console)
                 continue
             first_failure = first_failure or failure
-            if ended.returncode == exit_codes.PRUNED and all(code in (exit_codes.OK, exit_codes.PRUNED)
-                                                             for code in codes):
+            if ended.returncode == exit_codes.PRUNED and trial.current() is not None and all(
+                    code in (exit_codes.OK, exit_codes.PRUNED) for code in codes):  # Outside a sweep, 3 is a failure.
                 _say(f"{failure.task} was pruned by the sweep: every worker saved its state", console)
                 return LaunchResult(exit_codes.PRUNED, attempt, first_failure)
-            if ended.returncode in (exit_codes.USAGE, exit_codes.PRUNED, exit_codes.NONFINITE):  # Again if retried.
+            if ended.returncode in (exit_codes.USAGE, exit_codes.NONFINITE):  # It would fail again.
                 _report(failure, attempt, 0, console, isolated)
                 # Its own code: the Kubernetes exports' rules fail the job on 2 and 65.
                 return LaunchResult(ended.returncode, attempt, first_failure)
