@@ -162,8 +162,11 @@ SLOW_END = ["--collective_timeout", 10, "--slow_train_end_seconds", 14]
       "worker:0": re.escape(DEAD_PEER)}),
     ("trace_then_meet", SLOW_TRACE,
      {"worker:0": r"DeadlineExceededError[\s\S]*Collective has timed out during execution"}),
-    ("meet_before_reset", SLOW_END,  # worker:1 at evaluate's reset_metrics.
-     {"worker:1": r"DeadlineExceededError[\s\S]*Collective has timed out during execution"}),
+    # worker:1 at evaluate's reset_metrics: its collective times out; once in five runs TensorFlow's
+    # runtime aborted there instead, cancelling the timed-out collective (seen in make test).
+    ("meet_before_reset", SLOW_END,
+     {"worker:1": r"DeadlineExceededError[\s\S]*Collective has timed out during execution|"
+                  r"Mutex corrupt: waiting writer with no waiters"}),
     # The chief's first save (ModelCheckpoint's) inside strategy.scope(): it waits in the broadcast
     # of a reference Optimizer's variable, which no other worker joins (the stack it is dumped with).
     ("saving_outside_scope", ["--fit_in_scope", "--hang_seconds", 30],  # Waiting from ~12 s in.
