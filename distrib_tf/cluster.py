@@ -390,4 +390,3 @@ def speaks(environ: Mapping[str, str] | None = None) -> bool:
     spec, task = found
     chief = ("chief", 0) if "chief" in spec.jobs else ("worker", 0)
     return (task.type, task.index) == chief
-

@@ -18,6 +18,7 @@ from distrib_tf import events
 from distrib_tf import exit_codes
 from distrib_tf import lifeline
 from distrib_tf import trial
+from distrib_tf.cluster import VERBOSE_ENV
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.cluster import Task
 from distrib_tf.deploy import slurm
@@ -127,7 +128,7 @@ def task_env(config: LaunchConfig, spec: ClusterSpec, task: Task, slot: int,
     if not config.verbose:
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", QUIET_LOG_LEVEL)
     else:
-        env["DISTRIB_TF_VERBOSE"] = "1"  # Every worker prints its lines (`distrib_tf.cluster.speaks`).
+        env[VERBOSE_ENV] = "1"  # Every worker prints its lines (`distrib_tf.cluster.speaks`).
     return env
 
 
