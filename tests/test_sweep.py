@@ -109,19 +109,24 @@ def test_a_trial_that_fails_for_its_own_reason_is_recorded_and_the_sweep_goes_on
 
 def _trial_tasks(sweep_dir: str) -> list[int]:
     """The pids of live processes that are tasks of a trial of `sweep_dir` (read from /proc):
-    each runs the trial's command (the launcher's init processes around them are not counted)."""
-    found = []
+    each runs the trial's script with the trial's environment; not the launcher's init around
+    it, nor a child of a task (a fork before its exec shows the task's command line: counting
+    those once made 5 and 6)."""
+    found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                wrapper = b"_task_init" in f.read()  # The launcher's init for the task, not the task.
-        except OSError:
+                command = f.read()
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-        if not wrapper and b"TF_CONFIG" in env and str(sweep_dir).encode() in env.get(trial_lib.ENV.encode(), b""):
-            found.append(int(pid))
-    return found
+        if b"TF_CONFIG" in env and SCRIPT.encode() in command and b"_task_init" not in command and \
+                str(sweep_dir).encode() in env.get(trial_lib.ENV.encode(), b""):  # Not the launcher either.
+            found[int(pid)] = parent
+    return [pid for pid, parent in found.items() if parent not in found]
 
 
 @pytest.mark.multiworker

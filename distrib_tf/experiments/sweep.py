@@ -268,7 +268,6 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
                 f"{', '.join(_reported(trial)) or 'none'})")
         board.ended(trial, seconds)
         if trial.status == "interrupted":
-            study.stop()
             raise _TrialFailed("interrupted")
         ended[trial.id] = ({"pruned": "PRUNED", "failed": "FAIL"}.get(trial.status, "COMPLETE"), best, trial.number)
         if trial.status == "pruned":
@@ -285,11 +284,36 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
             for trial in running.values():
                 os.killpg(trial.proc.pid, signal.SIGTERM)  # Every worker backs up one step, then stops.
 
+    left = [total - len(done)]  # Trials still to ask for.
+    asking = threading.Lock()
+
+    def worker():
+        """Asks for a trial and tells its outcome, until the budget is spent. One ask at a time:
+        Optuna's SQLite storage can hand two threads the same enqueued trial (seen: both ran
+        trial 0), as its `optimize(n_jobs=...)` does."""
+        while True:
+            with asking:
+                if left[0] <= 0 or stopping.is_set():
+                    return
+                left[0] -= 1
+                asked = study.ask()
+            try:
+                study.tell(asked, objective(asked))
+            except optuna.TrialPruned:
+                study.tell(asked, state=optuna.trial.TrialState.PRUNED)
+            except _TrialFailed:
+                study.tell(asked, state=optuna.trial.TrialState.FAIL)
+
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if total > len(done):
+        if left[0] > 0:
             board.start(total, len(done))
-            study.optimize(objective, n_trials=total - len(done), n_jobs=parallel, catch=(_TrialFailed,))
+            workers = [threading.Thread(target=worker, name=f"distrib_tf-sweep-{i}") for i in range(parallel)]
+            for thread in workers:
+                thread.start()
+            for thread in workers:
+                while thread.is_alive():  # In short waits: the signal handlers run in this thread.
+                    thread.join(0.2)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

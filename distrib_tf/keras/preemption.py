@@ -105,6 +105,12 @@ def _start_watchdog() -> None:
 def _watch_for_stuck(read_end: int) -> None:
     while signal.SIGTERM not in os.read(read_end, 64):
         pass
+    if _outside_default and not _saved and not _guards[0]:
+        # The kernel may have handed the signal to another thread (TensorFlow's, or this one):
+        # a main thread asleep in a C call (a script's time.sleep, a read) would then run the
+        # handler, SIGTERM's default meaning, only once that call returns, minutes later.
+        # Sent to the main thread, the signal ends the call and the handler runs at once.
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
     time.sleep(STUCK_SECONDS)
     if _saved and not _leaving:
         _leave(_saved[-1])
