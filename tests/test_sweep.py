@@ -146,12 +146,15 @@ def test_a_sigkilled_sweep_resumes_its_trial_exactly_and_runs_none_twice(tmp_pat
         time.sleep(0.05)
     killed.kill()
     killed.wait()
-    deadline = time.monotonic() + 60  # Its launcher got SIGTERM: every worker backs up one step, exits 75.
-    while _trial_tasks(tmp_path / "sweep"):
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
     trial_dir = os.path.dirname(next_trial_events(tmp_path / "sweep"))
-    ends = [e for e in events.read(os.path.join(trial_dir, "events.jsonl")) if e["event"] == "job_end"]
+    deadline = time.monotonic() + 60  # Its launcher got SIGTERM: every worker backs up one step, exits 75,
+    while _trial_tasks(tmp_path / "sweep") or not (ends := [  # and the launcher says so last.
+            e for e in events.read(os.path.join(trial_dir, "events.jsonl")) if e["event"] == "job_end"]):
+        if time.monotonic() > deadline:
+            whole.kill()
+            whole.communicate()
+            raise AssertionError("the killed sweep's trial did not end within 60 s")
+        time.sleep(0.2)
     assert [e["exit_code"] for e in ends] == [75]
 
     again = _sweep(f"--sweep_dir={tmp_path}/sweep", *args)
