@@ -177,7 +177,7 @@ def test_a_sigkilled_sweep_resumes_its_trial_exactly_and_runs_none_twice(tmp_pat
     expected = _end(os.path.dirname(next_trial_events(tmp_path / "whole")))
     np.testing.assert_array_equal(got["weights"], expected["weights"])  # Bit for bit: the same arithmetic.
     # Not the History: preempted at an epoch's last step (32 here), the resumed run's History lacks
-    # that epoch (its validation never ran): a fault of the run's, seen in 2 of 6 runs, not fixed yet.
+    # that epoch (its validation never ran): a fault of the run's, seen once in 6 runs, not fixed yet.
     assert got["history"]["loss"][-1] == expected["history"]["loss"][-1]
 
 
