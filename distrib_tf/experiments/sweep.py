@@ -116,6 +116,7 @@ class Trial:
     status: str = "pending"
     cause: str = ""
     curve: dict = dataclasses.field(default_factory=dict)  # Epoch -> the metric, from the events.
+    logged: tuple = ()  # The metrics its chief's epochs log, for a metric they do not.
     epochs: int = 0
     step: str = ""
     proc: subprocess.Popen | None = None
@@ -166,6 +167,7 @@ class Sweep:
                 continue
             value = event.get("metrics", {}).get(self.metric)
             trial.epochs = event.get("epochs", trial.epochs)
+            trial.logged = tuple(sorted(k for k in event.get("metrics", {}) if not k.startswith("step_seconds")))
             usable = value is not None and math.isfinite(value)
             if usable:
                 trial.curve[event["epoch"]] = value
@@ -265,7 +267,7 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
             trial.status = "failed"
             trial.cause = _root_cause(trial.model_dir) if code else (
                 f"no {sweep.metric} in its epochs (the metrics its chief reported: "
-                f"{', '.join(_reported(trial)) or 'none'})")
+                f"{', '.join(trial.logged) or 'none'})")
         board.ended(trial, seconds)
         if trial.status == "interrupted":
             raise _TrialFailed("interrupted")
@@ -323,13 +325,6 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
     if received[:1] == [signal.SIGTERM] and all(code == exit_codes.PREEMPTED for code in codes):
         return exit_codes.PREEMPTED  # A scheduler's notice, every trial backed up: start it again.
     return exit_codes.INTERRUPTED
-
-
-def _reported(trial: Trial) -> list[str]:
-    for event in events.read(os.path.join(trial.model_dir, "events.jsonl")):
-        if event["event"] == "epoch" and event.get("task") in CHIEFS:
-            return sorted(k for k in event.get("metrics", {}) if not k.startswith("step_seconds"))
-    return []
 
 
 def _command(after: list[str]) -> tuple[list[str], bool]:
