@@ -105,6 +105,7 @@ def test_keeps_the_last_two_and_saves_every_n_steps(tmp_path):
     callback = _callback(tmp_path, model, every_steps=3)
     callback.on_train_begin()
     for batch in range(8):
+        model.optimizer.iterations.assign_add(1)  # A step, as Keras's train step counts it.
         callback.on_train_batch_end(batch)
         if batch % 4 == 3:
             callback.on_epoch_end(batch // 4)

@@ -121,7 +121,9 @@ def from_dataset(dataset: tf.data.Dataset, *, steps_per_epoch: int | None = None
         steps_per_epoch = cardinality
 
     def batches(start_step: int, endless: bool) -> tf.data.Dataset:
-        return (dataset.repeat() if endless else dataset).skip(start_step)
+        if endless:
+            return dataset.repeat().skip(start_step)
+        return dataset.repeat().skip(start_step).take(steps_per_epoch - start_step % steps_per_epoch)  # Its epoch's rest.
 
     return Batches(batches, steps_per_epoch, "a tf.data.Dataset", skips=True)
 

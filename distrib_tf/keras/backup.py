@@ -72,6 +72,7 @@ import tensorflow as tf
 
 from distrib_tf import events
 from distrib_tf.keras import phases
+from distrib_tf.keras import steps as steps_lib
 from distrib_tf.keras import user_view
 
 _NAME = re.compile(r"step-(\d+)\.json$")
@@ -280,16 +281,18 @@ class WorkerBackup(keras.callbacks.Callback):
         rollbacks: the rollbacks so far (`{"at_step", "to_step", "learning_rate"}`), kept in
             every backup: a restart goes on with the learning rate and the count they left.
         asynchronous: write in the background (default); False: each save waits for its files.
+        steps: the stage's step counter (`distrib_tf.keras.steps`); default: the optimizer's.
     """
 
     def __init__(self, directory: str, *, run: str, task: str, steps_per_epoch: int,
                  every_steps: int | None = None, keep: int = 2, history: list | None = None,
                  callbacks=(), epoch_metrics: list | None = None, layout=None, rollbacks: list | None = None,
-                 asynchronous: bool = True):
+                 asynchronous: bool = True, steps: steps_lib.StageSteps | None = None):
         super().__init__()
         self.directory, self.run, self.task = directory, run, task
         self.steps_per_epoch, self.every_steps, self.keep = steps_per_epoch, every_steps, max(keep, 2)
-        self.step = 0  # Global steps finished, counted from the optimizer at train begin.
+        self.steps = steps or steps_lib.StageSteps()
+        self.step = 0  # The stage's global steps finished (`self.steps`).
         self.saved_step = None
         self.history = list(history or [])
         self.callbacks = list(callbacks)  # The user's: their states go into every backup.
@@ -301,13 +304,13 @@ class WorkerBackup(keras.callbacks.Callback):
         self.blocked_seconds: list[float] = []  # What each save cost the step that made it.
 
     def on_train_begin(self, logs=None):
-        self.step = int(self.model.optimizer.iterations.numpy())
+        self.step = self.steps(self.model)
         if self.step == 0:
             self.save()  # The starting point, for a rollback before the first backup.
 
     def on_train_batch_end(self, batch, logs=None):
-        self.step += 1
-        if self.every_steps and self.step % self.every_steps == 0:
+        before, self.step = self.step, self.steps(self.model)  # Once an execution: maybe several steps.
+        if self.every_steps and steps_lib.crossed(before, self.step, self.every_steps):
             self.save()
 
     def on_epoch_begin(self, epoch, logs=None):

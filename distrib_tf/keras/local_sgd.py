@@ -46,6 +46,7 @@ import numpy as np
 import tensorflow as tf
 
 from distrib_tf.keras import compat
+from distrib_tf.keras import steps as steps_lib
 
 _MODE = "_distrib_tf_gradients"  # On an optimizer: "local", a dtype name, or absent.
 _CLOCK = "_distrib_tf_clock"  # On an optimizer: a float64 variable adding up all-reduce waits, or absent.
@@ -194,22 +195,24 @@ class PeriodicSync(keras.callbacks.Callback):
 
     Args:
         strategy: the strategy the model was built under.
-        every: steps between averages (counted by the optimizer's iterations, so a
-            resumed run keeps the schedule).
+        every: steps between averages (counted by `steps`, so a resumed run keeps the
+            schedule; an execution of several steps that passes a multiple averages at its end).
         outer: `"average"` or `"nesterov"` (DiLoCo's outer step).
         outer_learning_rate, outer_momentum: the outer step's, for `"nesterov"`.
-        last_step: the optimizer's iterations at the end of training, where the last
-            average comes (before that step's backup); `None`: at the end of each `fit`.
+        last_step: the step (of `steps`) that ends training, where the last average comes
+            (before that step's backup); `None`: at the end of each `fit`.
         average_first: average once when training begins, so that workers resumed from
             backups that are not their own start equal. A run resumed from each worker's
             own backup goes on from its own weights, as the uninterrupted run did.
+        steps: the stage's step counter (`distrib_tf.keras.steps`); default: the optimizer's.
 
     After each sync, `syncs` counts them and `bytes_per_worker` adds what a ring
     all-reduce of the weights sends from each worker (2 (n-1)/n of their bytes).
     """
 
     def __init__(self, strategy, every: int, *, outer: str = "average", outer_learning_rate: float = 1.0,
-                 outer_momentum: float = 0.0, last_step: int | None = None, average_first: bool = True):
+                 outer_momentum: float = 0.0, last_step: int | None = None, average_first: bool = True,
+                 steps: steps_lib.StageSteps | None = None):
         super().__init__()
         if every < 1:
             raise ValueError(f"Invalid value for `every`. Received: {every}. Expected a positive integer.")
@@ -219,6 +222,7 @@ class PeriodicSync(keras.callbacks.Callback):
         self.rate, self.momentum = outer_learning_rate, outer_momentum
         self.syncs, self.bytes_per_worker = 0, 0
         self.last_step, self.average_first = last_step, average_first
+        self.steps, self._step = steps or steps_lib.StageSteps(), 0
         self._average_fn = self._anchor = self._velocity = None
 
     def set_model(self, model):
@@ -274,13 +278,15 @@ class PeriodicSync(keras.callbacks.Callback):
         if self._anchor is None:
             self._anchor = [np.array(w.numpy(), copy=True) for w in self.model.weights]
             self._velocity = [np.zeros_like(a) for a in self._anchor]
+        self._step = self.steps(self.model)
 
     def on_train_batch_end(self, batch, logs=None):
-        step = int(self.model.optimizer.iterations.numpy())
-        if step % self.every == 0 or step == self.last_step:
+        before, step = self._step, self.steps(self.model)
+        self._step = step
+        if steps_lib.crossed(before, step, self.every) or step == self.last_step:
             self.synchronize()
 
     def on_train_end(self, logs=None):
-        step = int(self.model.optimizer.iterations.numpy())
+        step = self.steps(self.model)
         if step % self.every and step != self.last_step and (self.last_step is None or self.model.stop_training):
             self.synchronize()  # Ended early (a callback stopped it): the workers end equal.

@@ -44,6 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 from distrib_tf.keras import backup
+from distrib_tf.keras import steps as steps_lib
 
 METRIC = "nonfinite_replicas"
 
@@ -186,15 +187,17 @@ class StopOnNonFinite(keras.callbacks.Callback):
     Args:
         workers: the task of every replica, in replica order (`["worker:0", ...]`).
         steps_per_epoch: global steps per epoch, to name the epoch.
+        steps: the stage's step counter (`distrib_tf.keras.steps`); default: the optimizer's.
     """
 
-    def __init__(self, *, workers: list[str], steps_per_epoch: int):
+    def __init__(self, *, workers: list[str], steps_per_epoch: int, steps: steps_lib.StageSteps | None = None):
         super().__init__()
         self.workers, self.steps_per_epoch = workers, steps_per_epoch
+        self.steps = steps or steps_lib.StageSteps()
         self.step = 0
 
     def on_train_begin(self, logs=None):
-        self.step = int(self.model.optimizer.iterations.numpy())
+        self.step = self.steps(self.model)
         self._metric = find_metric(self.model)
         weights = self.model.trainable_variables
         if self._metric is not None:
@@ -203,7 +206,7 @@ class StopOnNonFinite(keras.callbacks.Callback):
             self._weights_finite = tf.function(lambda: _all_finite(weights))
 
     def on_train_batch_end(self, batch, logs=None):
-        self.step += 1
+        self.step = self.steps(self.model)
         logs = logs or {}
         if self._metric is not None:
             # The same values on every worker; one per output where Keras applied it to each.

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from distrib_tf import events
 from distrib_tf.keras import local_sgd
+from distrib_tf.keras import user_view
 
 logger = logging.getLogger("distrib_tf")
 
@@ -175,4 +176,4 @@ class Progress(keras.callbacks.Callback):
                 if seconds:
                     logs[log_key(task)] = statistics.median(seconds)
         events.emit("epoch", epoch=epoch + 1, epochs=self.epochs,
-                    metrics={k: float(v) for k, v in (logs or {}).items()})
+                    metrics=user_view.values(logs))

@@ -32,6 +32,7 @@ Example:
 import math
 
 import keras
+import numpy as np
 
 OWN_KEYS = ("epoch_seconds", "examples_per_second")
 OWN_PREFIXES = ("step_seconds_",)
@@ -51,9 +52,20 @@ def is_own_log(key: str) -> bool:
     return key in OWN_KEYS or key.startswith(OWN_PREFIXES) or key == OWN_METRIC or key.endswith("_" + OWN_METRIC)
 
 
+def value(v):
+    """A log's value as JSON takes it: a float, or a list of floats for a metric of several
+    values (`F1Score`'s one per class)."""
+    return float(v) if np.ndim(v) == 0 else np.asarray(v, dtype="float64").tolist()
+
+
+def values(logs) -> dict:
+    """Every log's `value`."""
+    return {k: value(v) for k, v in (logs or {}).items()}
+
+
 def users_logs(logs) -> dict:
-    """`logs` without distrib_tf's figures, as floats."""
-    return {k: float(v) for k, v in (logs or {}).items() if not is_own_log(k)}
+    """`logs` without distrib_tf's figures, as `value`s."""
+    return {k: v for k, v in values(logs).items() if not is_own_log(k)}
 
 
 class HideOwnLogs(keras.callbacks.Callback):
@@ -66,7 +78,7 @@ class HideOwnLogs(keras.callbacks.Callback):
         self.epochs: list[dict] = []
 
     def on_epoch_end(self, epoch, logs=None):
-        self.epochs.append({"epoch": epoch + 1, **{k: float(v) for k, v in (logs or {}).items()}})
+        self.epochs.append({"epoch": epoch + 1, **values(logs)})
         self._hide(logs)
 
     @staticmethod
@@ -126,6 +138,17 @@ def set_callback_states(callbacks, states) -> None:
             setattr(callback, attribute, float(value) if isinstance(value, str) else value)
 
 
+def without_backup_and_restore(callbacks, task: str) -> list:
+    """The user's callbacks but Keras's `BackupAndRestore`, which the run's backups replace
+    (every worker, any step, any layout): loading its epoch's weights over the resumed step
+    would train an epoch twice. Says so in one line."""
+    kept = [c for c in callbacks if not isinstance(c, keras.callbacks.BackupAndRestore)]
+    if len(kept) < len(callbacks):
+        print(f"{task}: keras.callbacks.BackupAndRestore steps aside under distrib_tf.Run, whose backups do "
+              "its work at every step on every worker (it is not called)", flush=True)
+    return kept
+
+
 class Segments(keras.callbacks.CallbackList):
     """The user's callbacks across the `fit` calls that make one stage (a resumed partial
     epoch, then the rest; a rollback): `on_train_begin` before the first, then the state
@@ -144,6 +167,13 @@ class Segments(keras.callbacks.CallbackList):
     def on_train_end(self, logs=None):
         if self.last:
             super().on_train_end(logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        """Keras's, but on the caller's `logs` itself: what a callback adds to them
+        (`ReduceLROnPlateau`'s `learning_rate`) reaches the History, as in Keras's own list."""
+        logs = {} if logs is None else logs
+        for callback in self.callbacks:
+            callback.on_epoch_end(epoch, logs)
 
 
 class StageProgbar(keras.callbacks.ProgbarLogger):

@@ -17,9 +17,10 @@ def _check_model(model, strategy) -> None:
         raise InvalidRun("Invalid value for argument `model`: it is not compiled. Expected "
                          "`model.compile(optimizer=..., loss=...)` under `run.strategy.scope()` first.")
     if model.distribute_strategy is not strategy:
-        raise InvalidRun("Invalid value for argument `model`: it was built under another strategy (before the "
-                         "Run, or under another Run). Expected it built after `distrib_tf.Run(...)`, whose "
-                         "strategy is then the default, or under `with run.strategy.scope():`.")
+        raise InvalidRun(f"Invalid value for argument `model`: {model.name!r} was built under another strategy "
+                         "(before `distrib_tf.Run(...)`, or under another Run). Expected it built after "
+                         "`distrib_tf.Run(...)`, whose strategy is then the default, or under "
+                         "`with run.strategy.scope():`.")
 
 
 def check_fit(model, strategy, train, *, epochs, global_batch_size, steps_per_epoch, validation_data,

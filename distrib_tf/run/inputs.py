@@ -1,9 +1,10 @@
 """Keras `fit`'s data arguments, with Keras's meanings, as what a run trains on.
 
 - arrays (`x`, `y`, `sample_weight`; one array, a dict or a tuple of them): read by id in
-  the run's order (`distrib_tf.data.from_arrays`), so a resume is exact; `class_weight`
-  becomes one weight per example, as Keras makes it; `validation_split` holds out the
-  last fraction of the rows before any shuffling, as Keras does;
+  the run's order (`distrib_tf.data.from_arrays`), so a resume is exact; `validation_split`
+  holds out the last fraction of the rows before any shuffling, as Keras does; `class_weight`
+  becomes one weight per training example by Keras's own function (the validation rows
+  stay unweighted, as in Keras);
 - a `tf.data.Dataset` (batched, as `fit` takes one): its own order, resumed by skipping
   batches (`distrib_tf.data.from_dataset`);
 - a `keras.utils.PyDataset`: batch `i` read by index, so resumed at its step without
@@ -11,8 +12,8 @@
 - distrib_tf's own sources (`from_arrays`, `from_source`, `from_images`, `load`,
   `from_dataset_fn`) as they are.
 
-`validation_data` takes the same forms: a tuple `(x, y)` or `(x, y, sample_weight)`, a
-dataset, or a source.
+`validation_data` takes the same forms: a tuple (or list) `(x, y)` or `(x, y, sample_weight)`,
+a dataset, or a source.
 """
 
 import inspect
@@ -21,6 +22,7 @@ import math
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.trainers.data_adapters import data_adapter_utils
 
 from distrib_tf.data import examples as examples_lib
 from distrib_tf.run.options import invalid
@@ -55,8 +57,8 @@ def training_data(x, y, *, sample_weight, class_weight, validation_split: float,
         return examples_lib.from_py_dataset(x), validation_of(validation_data)
     x, y = _arrays(x, "x"), (None if y is None else _arrays(y, "y"))
     weights = None if sample_weight is None else np.asarray(sample_weight)
-    if class_weight is not None:
-        weights = _class_weights(y, class_weight) * (1.0 if weights is None else weights)
+    if class_weight is not None and weights is not None:
+        invalid("class_weight", class_weight, "None beside sample_weight (Keras takes one or the other)")
     validation = validation_of(validation_data)
     if validation_split:
         if validation_data is not None:
@@ -66,6 +68,8 @@ def training_data(x, y, *, sample_weight, class_weight, validation_split: float,
         held_out = [_rows(part, slice(split_at, None)) for part in (x, y, weights)]
         validation = examples_lib.from_arrays(*held_out[:2], sample_weight=held_out[2], name="validation_split")
         x, y, weights = (_rows(part, slice(None, split_at)) for part in (x, y, weights))
+    if class_weight is not None:  # The training rows only, as Keras weighs them.
+        weights = _class_weights(y, class_weight)
     return examples_lib.from_arrays(x, y, sample_weight=weights), validation
 
 
@@ -73,6 +77,8 @@ def validation_of(data):
     """`validation_data` as a source, or `None`."""
     if data is None:
         return None
+    if isinstance(data, list):  # Keras takes a list as the tuple.
+        data = tuple(data)
     if isinstance(data, tuple) and len(data) in (2, 3) and not isinstance(data[0], SOURCES):
         x, y, *weights = data
         return examples_lib.from_arrays(_arrays(x, "validation_data"), _arrays(y, "validation_data"),
@@ -110,15 +116,13 @@ def _rows(structure, rows: slice):
 
 
 def _class_weights(y, class_weight: dict) -> np.ndarray:
-    """Keras's: each example weighs its class's weight (`y` class ids, or one-hot rows)."""
+    """Keras's own: each example weighs its class's weight, 1.0 for a class the dict does not
+    name (`y` class ids, rounded, or one-hot rows)."""
     if y is None or len(tf.nest.flatten(y)) != 1:
         invalid("class_weight", class_weight, "None with several outputs or no targets (as Keras's fit)")
-    labels = np.asarray(tf.nest.flatten(y)[0])
-    labels = labels.argmax(-1) if labels.ndim > 1 and labels.shape[-1] > 1 else labels.reshape(len(labels))
-    try:
-        return np.array([class_weight[int(label)] for label in labels], dtype="float32")
-    except KeyError as e:
-        invalid("class_weight", class_weight, f"a weight for every class, {e.args[0]} included")
+    if not isinstance(class_weight, dict):
+        invalid("class_weight", type(class_weight).__name__, "a dict of class index to weight")
+    return data_adapter_utils.class_weight_to_sample_weights(tf.nest.flatten(y)[0], class_weight)
 
 
 def batch_size_of(train, batch_size: int | None) -> int:

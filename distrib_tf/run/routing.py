@@ -7,8 +7,15 @@ History, and the run's exact resume, preemption and NaN stop. A Keras script so 
 line; `run.fit(model, ...)` is the same call spelt out.
 
 This is the one place where distrib_tf takes Keras's `fit` for a model: `keras.Model.fit`
-is wrapped while a run is live and given back at its end. Models under another strategy,
-and `Run.fit`'s own calls of Keras's `fit`, go straight to Keras.
+is wrapped while a run is live and given back at its end. Models under another strategy
+(a scope of the script's own), and `Run.fit`'s own calls of Keras's `fit`, go straight to
+Keras; a model under no strategy (built before `Run(...)`) comes to `Run.fit`, which refuses
+it in one line rather than training it alone on each worker.
+
+`keras.backend.clear_session()` resets TensorFlow's default graph, and with it the default
+strategy: while a run is live, the run's strategy is made the default again right after
+(`tf.compat.v1.reset_default_graph`, which Keras calls, is wrapped too), so the script's
+next model is built under the run as before.
 
 Example:
 
@@ -22,6 +29,7 @@ import functools
 import threading
 
 import keras
+import tensorflow as tf
 
 _live = []  # The live Run, if any (one per process).
 _inside = threading.local()  # Set while Run.fit calls Keras's own fit.
@@ -34,20 +42,43 @@ def activate(run) -> None:
         @functools.wraps(keras.Model.fit)
         def fit(self, *args, **kwargs):
             current = _live[-1] if _live else None
-            if current is None or getattr(_inside, "on", False) or self.distribute_strategy is not current.strategy:
+            if current is None or getattr(_inside, "on", False) or not _belongs(self, current):
                 return super(keras.Model, self).fit(*args, **kwargs)
             return current.fit(self, *args, **kwargs)
 
         keras.Model.fit = fit
+    if not hasattr(tf.compat.v1.reset_default_graph, "__wrapped__"):
+        reset = tf.compat.v1.reset_default_graph
+
+        @functools.wraps(reset)
+        def reset_default_graph():
+            reset()
+            if _live:
+                tf.distribute.experimental_set_strategy(_live[-1].strategy)
+
+        tf.compat.v1.reset_default_graph = reset_default_graph
     _live[:] = [run]
 
 
 def deactivate(run) -> None:
-    """Gives Keras's `fit` back once `run` ends."""
+    """Gives Keras's `fit` and TensorFlow's `reset_default_graph` back once `run` ends."""
     if _live and _live[-1] is run:
         _live.clear()
         if "fit" in vars(keras.Model):
             del keras.Model.fit
+        if hasattr(tf.compat.v1.reset_default_graph, "__wrapped__"):
+            tf.compat.v1.reset_default_graph = tf.compat.v1.reset_default_graph.__wrapped__
+
+
+def live():
+    """The live run, or `None`."""
+    return _live[-1] if _live else None
+
+
+def _belongs(model, run) -> bool:
+    """Whether `model`'s `fit` is the run's: built under its strategy, or under none."""
+    strategy = model.distribute_strategy
+    return strategy is run.strategy or type(strategy).__name__ == "_DefaultDistributionStrategy"
 
 
 @contextlib.contextmanager

@@ -162,10 +162,20 @@ class Run:
         self.model_dir = trial.model_dir(str(model_dir))  # A sweep's trial writes in its own directory.
         # Reclaimed from TensorFlow's once the strategy is made; outside fit and the outputs, its own meaning.
         preemption.install_sigterm_handler(outside_phases="default")
+        if routing.live() is not None:
+            raise InvalidRun(f"distrib_tf.Run({str(model_dir)!r}) while {routing.live()!r} is live in this process. "
+                             "Expected one Run at a time: end the first (`run.end()`, or leave its `with` block)")
         try:
             self.strategy = make_strategy(strategy, cpu_replicas=cpu_replicas, collective_timeout=collective_timeout)
         except ValueError as e:
             raise InvalidRun(str(e)) from e
+        except RuntimeError as e:
+            if not str(e).startswith("make_strategy() must be called before"):
+                raise
+            raise InvalidRun(f"distrib_tf.Run(...) came after the script's first TensorFlow operation (a tf.data "
+                             "pipeline, a tensor or a model made above it), and the strategy is configured when "
+                             "TensorFlow starts. Expected its two lines (`import distrib_tf`, `run = "
+                             "distrib_tf.Run(...)`) right after the script's imports") from e
         preemption.reclaim_sigterm()
         lifeline.die_with_parent()  # Started by a parent that asked (a Ray worker): SIGTERM when it dies.
         preemption.watch_peers(self.strategy)  # One worker's SIGTERM, in any phase, is every worker's.
@@ -343,6 +353,9 @@ class Run:
 
     def __exit__(self, kind, error, traceback):
         self._crashed = error is not None  # No clean end at exit either (`ending.take_uncaught`).
+        if error is not None:  # The run ends here too: Keras's `fit` and the default strategy are the script's again.
+            tf.distribute.experimental_set_strategy(None)
+            routing.deactivate(self)
         if error is None:
             self.end()
             if self._fitted and self.exit_on_error and phases.is_multi_worker(self.strategy):

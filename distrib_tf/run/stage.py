@@ -13,6 +13,7 @@ import os
 import sys
 
 import keras
+import numpy as np
 
 from distrib_tf import cluster
 from distrib_tf import trial
@@ -24,6 +25,7 @@ from distrib_tf.keras import nonfinite
 from distrib_tf.keras import preemption
 from distrib_tf.keras import progress
 from distrib_tf.keras import pruning
+from distrib_tf.keras import steps as steps_lib
 from distrib_tf.keras import user_view
 from distrib_tf.run import export
 from distrib_tf.run import schedules
@@ -66,12 +68,14 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
                 print(f"{run.task} skips the first {start_step} batches of {train.name}: the same batches as "
                       "before only if it is deterministic (a seeded shuffle is)", flush=True)
     run.resumed_at_step = start_step
-    users = user_view.Segments(callbacks or (), model, states=meta.get("callbacks"))
+    stage_steps = steps_lib.StageSteps(model.optimizer, done=resume.step)  # What every guarantee counts.
+    users = user_view.Segments(user_view.without_backup_and_restore(callbacks or (), run.task), model,
+                               states=meta.get("callbacks"))
     worker_backup = backup.WorkerBackup(
         backup_dir, run=run_id, task=run.task, steps_per_epoch=steps, every_steps=options.backup_every_steps,
         history=[h for h in meta.get("history", []) if h["epoch"] * steps <= start_step],
         callbacks=users.callbacks, layout=run.replica_tasks, rollbacks=rollbacks,
-        asynchronous=options.backup_in_background,
+        asynchronous=options.backup_in_background, steps=stage_steps,
         epoch_metrics=meta.get("metrics") if resume.source == backup_dir else None)  # This task's own sums.
     rollbacks = worker_backup.rollbacks  # Kept in every backup from now on.
     timer = callbacks_lib.EpochTimer(global_batch_size)
@@ -81,7 +85,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
              and name == "average")  # (nesterov's outer momentum and anchor live in memory).
     periodic = [] if every is None else [local_sgd.PeriodicSync(
         run.strategy, every or steps, outer=name, outer_learning_rate=rate, outer_momentum=momentum,
-        last_step=epochs * steps - offset, average_first=not (resume.step and exact))]
+        last_step=epochs * steps - offset, average_first=not (resume.step and exact), steps=stage_steps)]
     if periodic and resume.step and not exact:
         print(f"{run.task}: periodic sync resumed from backups that are not every replica's own (another layout, "
               "a peer's state, several replicas a worker) or with the nesterov outer step (its momentum is not "
@@ -91,35 +95,42 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     progbar = user_view.StageProgbar(epochs, steps)
     ours = [
         timer, *periodic,
-        nonfinite.StopOnNonFinite(workers=list(run.replica_tasks), steps_per_epoch=steps),  # Before any other.
+        nonfinite.StopOnNonFinite(workers=list(run.replica_tasks), steps_per_epoch=steps,  # Before any other.
+                                  steps=stage_steps),
         progress.Progress(task=run.task, workers=list(run.replica_tasks), epochs=epochs,
                           steps_per_epoch=steps, global_batch_size=global_batch_size),
-        keras.callbacks.TensorBoard(os.path.join(run.model_dir, "logs"), write_graph=False),
+        callbacks_lib.ScalarTensorBoard(os.path.join(run.model_dir, "logs"), write_graph=False),
     ]
     if not run.is_chief and cluster.speaks():  # DISTRIB_TF_VERBOSE=1: every worker says its epochs.
         ours.append(callbacks_lib.EpochLine(run.task, epochs))
     # The user's see each step after the NaN check and before its backup, which so holds their state.
-    checkpoint = callbacks_lib.ChiefCheckpoint(run.model_dir, run_id, keep=options.keep_checkpoints)
+    checkpoint = callbacks_lib.ChiefCheckpoint(run.model_dir, run_id, keep=options.keep_checkpoints, stage=stage)
     every_callback = [*ours, hide, users, worker_backup, checkpoint, preemption.SaveOnPreemption(worker_backup),
                       *([pruning.PruneAtEpochEnd(worker_backup, is_chief=run.is_chief)] if trial.prunes() else []),
                       progbar]
     if verbose == "auto":
-        verbose = (1 if sys.stdout.isatty() else 2) if run.is_chief else 0
+        verbose = 1 if sys.stdout.isatty() else 2
+    verbose = verbose if run.is_chief else 0  # The chief speaks for the job (`EpochLine` above for the rest).
     validation = None if validation_data is None else run.distribute(  # Keras reads it every epoch.
         validation_data, global_batch_size=validation_batch_size,
         one_pass=isinstance(validation_data, examples_lib.Batches))
     history = {}
     step, last_step = start_step, epochs * steps
+    # Several steps an execution: one `fit` an epoch, on that epoch's batches alone, so that an
+    # execution ends at the epoch's end as on Keras's own finite data (an endless stream with
+    # `steps_per_epoch` would run whole executions past it).
+    epochwise = (model.steps_per_execution or 1) > 1 and not isinstance(train, examples_lib.DatasetFn)
+    keras_fit = super(keras.Model, model).fit  # Keras's own: not a model library's `fit`, which called this one.
     model.stop_training = bool(meta.get("stopped"))  # A callback ended the stage there (EarlyStopping).
     while step < last_step and not model.stop_training:
         epoch, done = divmod(step, steps)
-        until = epoch + 1 if done else epochs  # A partial epoch alone, then the rest.
+        until = epoch + 1 if done or epochwise else epochs  # A partial epoch alone, then the rest.
         users.last, progbar.skipped = until == epochs, done
         try:
-            fitted = model.fit(
+            fitted = keras_fit(
                 run.distribute(train, global_batch_size=global_batch_size, start_step=step, shuffle=shuffle,
-                                one_pass=False),
-                initial_epoch=epoch, epochs=until, steps_per_epoch=steps - done,
+                               one_pass=epochwise),
+                initial_epoch=epoch, epochs=until, steps_per_epoch=None if epochwise else steps - done,
                 validation_data=validation, validation_steps=val_steps, validation_freq=validation_freq,
                 callbacks=every_callback, verbose=verbose, shuffle=False,  # The pipeline shuffles.
             )
@@ -127,7 +138,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
             worker_backup.flush()
             if isinstance(train, examples_lib.Examples):
                 nonfinite.name_input_culprits(e, run.strategy, run.replica_tasks, run.distribute(
-                    train, global_batch_size=global_batch_size, start_step=e.step - 1, shuffle=shuffle,
+                    train, global_batch_size=global_batch_size, start_step=offset + e.step - 1, shuffle=shuffle,
                     one_pass=False))
             if e.where == "input batch" and options.on_nan == "rollback":
                 print(f"{run.task}: the NaN or Inf is in the input batch of step {e.step}: a rollback would "
@@ -154,8 +165,8 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
         worker_backup.flush()
     for record in worker_backup.history:
         for key, value in record.items():
-            if key != "epoch":
-                history.setdefault(key, []).append(value)
+            if key != "epoch":  # A metric of several values is an array, as in Keras's History.
+                history.setdefault(key, []).append(np.asarray(value, "float32") if isinstance(value, list) else value)
     epochs_done = [record["epoch"] - 1 for record in worker_backup.history]
     run.summary.update({
         "run_id": run_id,
