@@ -629,9 +629,19 @@ def agree_on_resume(model, directory: str, *, run: str, task: str, include_start
             model.load_weights(_weights_path(found.directory, step))
             for variable, value in zip(seed_states(model), found.meta.get("seeds") or ()):
                 variable.assign(np.asarray(value, dtype=variable.dtype))
-    meta = share_state(model, rows, step, found.meta if holds else None)
+    meta = share_state(model, rows=rows, row=row, step=step, meta=found.meta if holds else None)
     all_own = bool(all(row[3] == step and row[5] for row in rows))
     return Resume(step, meta, found.directory if holds else None, all_own)
+
+
+def _metadata_sent(rows: np.ndarray, row: np.ndarray, *, source: int, meta: dict | None) -> np.ndarray:
+    """What this worker adds to `share_state`'s all-reduce after the variables: its encoded
+    metadata from the source replica's worker; from every other, zeros of the source's
+    length (`rows[source][4]`): another holder's own metadata has another length (its task,
+    its own metric sums inside an epoch) and is not sent."""
+    if meta is not None and tuple(row[:2]) == tuple(rows[source][:2]):  # Job and index: the source's worker.
+        return np.frombuffer(_encode(meta), dtype=np.uint8).astype(np.float64)  # Its row's size, the same dict.
+    return np.zeros(int(rows[source][4]), dtype=np.float64)
 
 
 def decide(rows: np.ndarray) -> int:
@@ -647,25 +657,25 @@ def decide(rows: np.ndarray) -> int:
     return max(0, int(rows[:, 3].max()))
 
 
-def share_state(model, rows: np.ndarray, step: int, meta: dict | None) -> dict:
+def share_state(model, *, rows: np.ndarray, row: np.ndarray, step: int, meta: dict | None) -> dict:
     """Gives the state of `step` to every worker that cannot read it, from the first replica
-    that did: every variable of the model and its optimizer, and the backup's metadata, in
-    one all-reduce, in float64, where only that replica adds its values (exact: x + 0 is x,
-    and float32, integer counts below 2**53 and bytes pass through float64 unchanged).
-    Returns the metadata (this worker's own when it holds the step).
+    that did (the source): every variable of the model and its optimizer, and the backup's
+    metadata, in one all-reduce, in float64, where only the source replica adds its values
+    (exact: x + 0 is x, and float32, integer counts below 2**53 and bytes pass through
+    float64 unchanged). Returns the metadata (this worker's own when it holds the step).
 
-    Every worker calls it at the same point with the same `rows` (one per replica), the
-    holders once their backup is loaded; all meet at a barrier first, so that a collective
-    timeout does not run while a holder still loads a large model.
+    Every worker calls it at the same point with the same `rows` (one per replica) and its
+    own `row`, the holders once their backup is loaded; all meet at a barrier first, so that
+    a collective timeout does not run while a holder still loads a large model. Every
+    worker's tensor has one shape: the metadata's part is the source's length everywhere
+    (`_metadata_sent`), whatever the other holders' own metadata hold.
     """
-    holders = [r for r, row in enumerate(rows) if row[3] == step]
+    holders = [r for r, each in enumerate(rows) if each[3] == step]
     if len(holders) == len(rows):
         return meta
     strategy, source = model.distribute_strategy, holders[0]
     variables = state_variables(model)
-    encoded = np.zeros(int(rows[source][4]), dtype=np.float64)
-    if meta is not None:
-        encoded = np.frombuffer(_encode(meta), dtype=np.uint8).astype(np.float64)
+    encoded = _metadata_sent(rows, row, source=source, meta=meta)
     phases.enter(strategy, "state_loaded")
 
     @tf.function
