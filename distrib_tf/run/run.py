@@ -148,7 +148,7 @@ class Run:
         self.summary: dict = {}  # Written by the chief as `summary.json` at the end; add to it.
         self._fitted = self._ended = self._crashed = False
         self._stages: list[tuple[str, str]] = []  # Each fit's backup directory and run id.
-        self._held: list[int] = []  # The backup directories this process holds (`backup.hold`).
+        self._held: list[int] = []  # The backup directories this process holds (`resume.hold`).
         self._schedule = None  # The user's learning-rate schedule, after a rollback replaced it.
         tf.distribute.experimental_set_strategy(self.strategy)  # The script's models are built under it.
         routing.activate(self)  # And their `model.fit` is this run's.
@@ -252,7 +252,7 @@ class Run:
 
         Raises:
             InvalidRun: the model, the data or a number cannot run (exit code 2).
-            backup.ResumeError: the workers' backups give no common step (exit code 2).
+            resume.ResumeError: the workers' backups give no common step (exit code 2).
             preemption.Preempted, nonfinite.NonFiniteLoss: see `distrib_tf.run.ending`.
         """
         if self.is_evaluator:
