@@ -22,31 +22,35 @@ from distrib_tf.keras import backup
 logger = logging.getLogger("distrib_tf")
 
 
-def checkpoint_path(model_dir: str, epoch: int) -> str:
-    """Where the chief writes the checkpoint of `epoch` (1-based)."""
-    return os.path.join(model_dir, "checkpoints", f"epoch{epoch:03d}.weights.h5")
+def checkpoint_path(model_dir: str, epoch: int, *, stage: int = 0) -> str:
+    """Where the chief writes the checkpoint of `epoch` (1-based) of a run's `stage` (0-based:
+    its `fit` call): `epoch003.weights.h5` for the first, `fit2-epoch003.weights.h5` for the
+    second, so that no stage overwrites another's."""
+    prefix = f"fit{stage + 1}-" if stage else ""
+    return os.path.join(model_dir, "checkpoints", f"{prefix}epoch{epoch:03d}.weights.h5")
 
 
 class ChiefCheckpoint(keras.callbacks.Callback):
-    """The chief writes `checkpoints/epochNNN.weights.h5` at every epoch end, atomically.
+    """The chief writes `checkpoints/epochNNN.weights.h5` at every epoch end, atomically
+    (`fitK-epochNNN.weights.h5` in a run's `K`th `fit` call: `stage=K - 1`).
 
     The weights (Keras's `.weights.h5`, for `model.load_weights` and the side-car
     evaluator) are made in memory, then written in the background (`backup.WRITER`) to a
     temporary file that is renamed, so an evaluator never reads a checkpoint half-written;
-    then `epochNNN.json` names the run (`run`), so that it never takes an earlier run's
-    checkpoint in the same directory for this one's. Other workers write nothing (Keras 3
-    saving runs no collectives). `keep`: this run's last `keep` checkpoints stay, older ones
-    go (`None`: all stay).
+    then `epochNNN.json` names the run (`run`) and the epoch, so that it never takes an
+    earlier run's checkpoint in the same directory for this one's. Other workers write
+    nothing (Keras 3 saving runs no collectives). `keep`: this run's last `keep` checkpoints
+    stay, by epoch number, older ones go (`None`: all stay).
     """
 
-    def __init__(self, model_dir: str, run: str = "", *, keep: int | None = None):
+    def __init__(self, model_dir: str, run: str = "", *, keep: int | None = None, stage: int = 0):
         super().__init__()
-        self.model_dir, self.run, self.keep = model_dir, run, keep
+        self.model_dir, self.run, self.keep, self.stage = model_dir, run, keep, stage
 
     def on_epoch_end(self, epoch, logs=None):
         if not self.model.distribute_strategy.extended.should_checkpoint:
             return
-        path, image = checkpoint_path(self.model_dir, epoch + 1), weights_image(self.model)
+        path, image = checkpoint_path(self.model_dir, epoch + 1, stage=self.stage), weights_image(self.model)
         backup.WRITER.submit(lambda: self._write(path, epoch + 1, image))
 
     def on_train_end(self, logs=None):
@@ -66,16 +70,18 @@ class ChiefCheckpoint(keras.callbacks.Callback):
             self._prune()
 
     def _prune(self) -> None:
-        """Deletes this run's checkpoints but the last `keep` (another run's are not ours)."""
+        """Deletes this run's checkpoints but the last `keep` by epoch (not by name: `epoch1000`
+        sorts before `epoch999` as text); another run's, or another stage's, are not ours."""
         ours = []
-        for named in glob.glob(os.path.join(glob.escape(self.model_dir), "checkpoints", "epoch*.json")):
+        for named in glob.glob(os.path.join(glob.escape(self.model_dir), "checkpoints", "*epoch*.json")):
             try:
                 with open(named, encoding="utf-8") as f:
-                    if json.load(f).get("run") == self.run:
-                        ours.append(named)
+                    described = json.load(f)
             except (OSError, ValueError):
                 continue
-        for named in sorted(ours)[: -self.keep]:
+            if described.get("run") == self.run and isinstance(described.get("epoch"), int):
+                ours.append((described["epoch"], named))
+        for _, named in sorted(ours)[: -self.keep]:
             for each in (named[: -len(".json")] + ".weights.h5", named):
                 try:
                     os.remove(each)

@@ -103,8 +103,9 @@ class Run:
             `"multi_worker"` (the strategy object is `run.strategy`).
         cpu_replicas: passed to `make_strategy`.
         collective_timeout: passed to `make_strategy`.
-        keep_checkpoints: the chief keeps this run's last N epoch checkpoints
-            (`checkpoints/epochNNN.weights.h5`); `None`: every epoch's.
+        keep_checkpoints: the chief keeps the last N epoch checkpoints of each `fit`
+            (`checkpoints/epochNNN.weights.h5`, the second `fit`'s `fit2-epochNNN...`);
+            `None`: every epoch's.
         backup_in_background: a backup stops training only while the state is copied into
             memory; its files are written in the background (default). False: each backup
             waits for its files (`distrib_tf.keras.backup`).

@@ -100,7 +100,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     if not run.is_chief and cluster.speaks():  # DISTRIB_TF_VERBOSE=1: every worker says its epochs.
         ours.append(callbacks_lib.EpochLine(run.task, epochs))
     # The user's see each step after the NaN check and before its backup, which so holds their state.
-    checkpoint = callbacks_lib.ChiefCheckpoint(run.model_dir, run_id, keep=options.keep_checkpoints)
+    checkpoint = callbacks_lib.ChiefCheckpoint(run.model_dir, run_id, keep=options.keep_checkpoints, stage=stage)
     every_callback = [*ours, hide, users, worker_backup, checkpoint, preemption.SaveOnPreemption(worker_backup),
                       *([pruning.PruneAtEpochEnd(worker_backup, is_chief=run.is_chief)] if trial.prunes() else []),
                       progbar]
