@@ -52,7 +52,7 @@ _LAZY = {
     "InvalidRun": "distrib_tf.run.ending",
     "Preempted": "distrib_tf.keras.preemption",
     "NonFiniteLoss": "distrib_tf.keras.nonfinite",
-    "ResumeError": "distrib_tf.keras.backup",
+    "ResumeError": "distrib_tf.keras.resume",
     "Pruned": "distrib_tf.keras.pruning",
 }
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from distrib_tf.keras import backup
+from distrib_tf.keras import resume
 
 
 class KilledWhileWriting(Exception):
@@ -68,7 +69,7 @@ def test_killed_at_any_moment_of_a_backup_resumes_the_newest_whole_one(tmp_path,
     assert [b["step"] for b in backup.list_backups(str(tmp_path))] == [4]
     assert (tmp_path / "step-000000008.state").exists() == (moment == "metadata")
     restored = _model()
-    assert backup.agree_on_resume(restored, str(tmp_path), run="run-a", task="chief:0").step == 4
+    assert resume.agree_on_resume(restored, str(tmp_path), run="run-a", task="chief:0").step == 4
     for a, b in zip(restored.get_weights(), first):
         np.testing.assert_array_equal(a, b)
 
@@ -142,7 +143,7 @@ def test_weights_damaged_after_a_crash_fall_back_to_the_backup_before(tmp_path, 
                         data[:8] + bytes([data[8] ^ 1]) + data[9:])
     assert [b["step"] for b in backup.list_backups(str(tmp_path))] == [4]
     restored = _model()
-    assert backup.agree_on_resume(restored, str(tmp_path), run="run-a", task="chief:0").step == 4
+    assert resume.agree_on_resume(restored, str(tmp_path), run="run-a", task="chief:0").step == 4
     for a, b in zip(restored.get_weights(), first):
         np.testing.assert_array_equal(a, b)
 
@@ -162,7 +163,7 @@ def _rows(directory, tasks, run="run-a"):
     rows = []
     for task in tasks:
         own = str(directory / backup.task_dirname(task))
-        rows.append(backup._describe_local(own, run, task, backup.newest(own, run=run)))  # pylint: disable=protected-access
+        rows.append(resume._describe_local(own, run, task, resume.newest(own, run=run)))  # pylint: disable=protected-access
     return np.array(rows)
 
 
@@ -171,9 +172,9 @@ def test_a_worker_killed_writing_a_backup_resumes_at_its_peers_newer_one(tmp_pat
     worker resumes at 5, worker:1 receiving it (it was a ResumeError, then a restart at 0)."""
     _save(tmp_path / "a", "worker:0", [0, 5])
     _save(tmp_path / "b", "worker:1", [0])  # Own disks: neither sees the other's.
-    assert backup.decide(np.concatenate([_rows(tmp_path / "a", ["worker:0"]),
+    assert resume.decide(np.concatenate([_rows(tmp_path / "a", ["worker:0"]),
                                          _rows(tmp_path / "b", ["worker:1"])])) == 5
-    assert backup.decide(_rows(tmp_path / "c", ["worker:0", "worker:1"])) == 0  # Nothing anywhere: step 0.
+    assert resume.decide(_rows(tmp_path / "c", ["worker:0", "worker:1"])) == 0  # Nothing anywhere: step 0.
 
 
 @pytest.mark.parametrize("history, tasks, expected", [
@@ -189,11 +190,11 @@ def test_the_newest_step_wins_whatever_the_history_of_layouts(tmp_path, history,
     for task, steps in history:
         _save(tmp_path, task, steps)
     _save(tmp_path, "worker:5", [500], run="run-b")  # Another run's, with a later step: never this run's.
-    assert backup.decide(_rows(tmp_path, tasks)) == expected
+    assert resume.decide(_rows(tmp_path, tasks)) == expected
     restored = _model()
-    resume = backup.agree_on_resume(restored, str(tmp_path / backup.task_dirname(tasks[0])), run="run-a",
-                                    task=tasks[0])
-    assert (resume.step, resume.meta["step"]) == (expected, expected)
+    resumed = resume.agree_on_resume(restored, str(tmp_path / backup.task_dirname(tasks[0])), run="run-a",
+                                     task=tasks[0])
+    assert (resumed.step, resumed.meta["step"]) == (expected, expected)
 
 
 def test_own_disks_resume_at_the_newest_step_any_disk_holds(tmp_path):
@@ -203,23 +204,23 @@ def test_own_disks_resume_at_the_newest_step_any_disk_holds(tmp_path):
         _save(tmp_path / host, task, [30, 35])
     _save(tmp_path / "a", "chief:0", [96, 101])
     rows = np.concatenate([_rows(tmp_path / "a", ["worker:0"]), _rows(tmp_path / "b", ["worker:1"])])
-    assert backup.decide(rows) == 101
-    assert backup.newest(str(tmp_path / "a" / "worker-0"), run="run-a").directory == str(tmp_path / "a" / "chief-0")
+    assert resume.decide(rows) == 101
+    assert resume.newest(str(tmp_path / "a" / "worker-0"), run="run-a").directory == str(tmp_path / "a" / "chief-0")
 
 
 def test_a_task_prefers_its_own_backup_of_the_newest_step(tmp_path):
     first, second = _model(), _model()
     _save(tmp_path, "worker:0", [5], model=first)
     _save(tmp_path, "worker:1", [5], model=second)
-    found = backup.newest(str(tmp_path / "worker-1"), run="run-a")
+    found = resume.newest(str(tmp_path / "worker-1"), run="run-a")
     assert (found.directory, found.meta["task"]) == (str(tmp_path / "worker-1"), "worker:1")
 
 
 def test_decide_refuses_another_runs_backups_in_a_tasks_own_directory(tmp_path):
     _save(tmp_path, "worker:0", [40])
     _save(tmp_path, "worker:1", [40], run="run-b")
-    with pytest.raises(backup.ResumeError) as raised:
-        backup.decide(_rows(tmp_path, ["worker:0", "worker:1"]))
+    with pytest.raises(resume.ResumeError) as raised:
+        resume.decide(_rows(tmp_path, ["worker:0", "worker:1"]))
     assert "Cannot resume: worker:1 holds a backup of a different run" in str(raised.value)
 
 
@@ -242,7 +243,7 @@ def test_gone_tasks_backups_go_once_a_newer_step_is_backed_up_and_fresh_start_cl
     callback.flush()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["worker-0", "worker-1", "worker-7"]
     assert backup.clear_run(str(tmp_path / "worker-0"), run="run-a") == [5, 10, 15]
-    assert backup.newest(str(tmp_path / "worker-0"), run="run-a") is None
+    assert resume.newest(str(tmp_path / "worker-0"), run="run-a") is None
     assert [b["step"] for b in backup.list_backups(str(tmp_path / "worker-7"))] == [20]
 
 
@@ -253,15 +254,15 @@ def test_two_processes_of_one_task_never_hold_its_backups_at_once(tmp_path):
     import sys  # pylint: disable=import-outside-toplevel
     import time  # pylint: disable=import-outside-toplevel
 
-    code = ("import sys, time; from distrib_tf.keras import backup; held = backup.hold(sys.argv[1]); "
+    code = ("import sys, time; from distrib_tf.keras import resume; held = resume.hold(sys.argv[1]); "
             "print('held', flush=True); time.sleep(float(sys.argv[2]))")
     old = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), "3"], stdout=subprocess.PIPE, text=True)
     try:
         assert old.stdout.readline().strip() == "held"
-        with pytest.raises(backup.ResumeError, match="another process still holds"):
-            backup.hold(str(tmp_path), wait_seconds=0.5)
+        with pytest.raises(resume.ResumeError, match="another process still holds"):
+            resume.hold(str(tmp_path), wait_seconds=0.5)
         started = time.monotonic()
-        held = backup.hold(str(tmp_path), wait_seconds=30)  # Waits for the old one to let go (it ends).
+        held = resume.hold(str(tmp_path), wait_seconds=30)  # Waits for the old one to let go (it ends).
         waited = time.monotonic() - started
         os.close(held)
         assert waited > 1.5, waited  # It held on for 3 s after saying so, 0.5 s of them spent above.

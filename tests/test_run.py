@@ -214,33 +214,35 @@ def test_preempted_on_two_workers_resumes_on_one_process_where_the_uninterrupted
     assert finished_backups(model_dir) == {"chief-0": [(STEPS, True)]}  # The gone tasks' went at the end.
 
 
-@pytest.mark.slow  # 39 s: make soak. make test-engines plays a grow onto an empty disk (JobSet 1 -> 2).
 def test_a_grow_from_two_workers_to_three_the_new_one_on_an_empty_disk(tmp_path):
-    """Preempted on 2 workers with their own disks, resumed on 3: worker:2's disk is empty, it
-    gets the step and the state from worker:0 over the collective. A global batch of 48 (24
-    a replica on 2, 16 on 3); the result is the uninterrupted 2-worker run's within the
-    float64 layout bound."""
+    """Preempted on 2 workers with their own disks inside the epoch, resumed on 3: worker:2's
+    disk is empty, it gets the step and the state from worker:0 over the collective, while
+    worker:1 loads its own backup, whose metadata (its own metric sums) differs in length
+    from worker:0's (issue 53: a shape mismatch in the collective). A global batch of 48 (24
+    a replica on 2, 16 on 3), one epoch of 10 steps; the result is the uninterrupted
+    2-worker run's within the float64 layout bound."""
     _require_own_disks()
-    batch = "--global_batch_size=48"  # 10 steps an epoch, 30 in all.
+    args = ["--global_batch_size=48", "--epochs=1"]  # 10 steps.
     reference = tmp_path / "uninterrupted"
-    code, text = _launch(f"--model_dir={reference}", batch)
+    code, text = _launch(f"--model_dir={reference}", *args)
     assert code == 0, text[-3000:]
     model_dir = tmp_path / "run"
     disks = [tmp_path / f"disk{i}" for i in range(3)]
     for directory in (model_dir, *disks):
         directory.mkdir()
-    step = random.Random().randrange(2, 24)
-    codes, texts = _own_disks_cluster(tmp_path, disks[:2], model_dir, [f"--sigterm_at_step={step}", batch])
+    step = random.Random().randrange(2, 8)  # The backup (at most 2 steps later) inside the epoch.
+    codes, texts = _own_disks_cluster(tmp_path, disks[:2], model_dir, [f"--sigterm_at_step={step}", *args])
     assert codes == [75, 75], (step, [t[-2000:] for t in texts])
     saved = int(re.search(r"backed up step (\d+) like every worker", texts[0]).group(1))
-    codes, texts = _own_disks_cluster(tmp_path, disks, model_dir, [batch])
+    assert 0 < saved < 10, (step, saved)
+    codes, texts = _own_disks_cluster(tmp_path, disks, model_dir, args)
     assert codes == [0, 0, 0], [t[-3000:] for t in texts]
     assert f"worker:2 resumes at step {saved} " in texts[2] and "the state came from a worker" in texts[2], (
         texts[2][-3000:])
     weights = {w for text in texts for w in _fingerprints(text).values()}
     assert len(weights) == 1, weights  # Three processes, one set of weights.
-    difference = weights_difference(checkpoint_arrays(disks[0] / "checkpoints" / "epoch003.weights.h5"),
-                                    checkpoint_arrays(reference / "checkpoints" / "epoch003.weights.h5"))
+    difference = weights_difference(checkpoint_arrays(disks[0] / "checkpoints" / "epoch001.weights.h5"),
+                                    checkpoint_arrays(reference / "checkpoints" / "epoch001.weights.h5"))
     print(f"2 workers preempted at step {saved}, resumed on 3 (worker:2 on an empty disk): weights {difference:.2g} "
           "(relative L2) from the uninterrupted 2-worker run")
     assert difference <= 1e-10  # The layout test's float64 bound (tests/test_train.py, LAYOUT_CASES).

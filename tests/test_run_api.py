@@ -161,3 +161,30 @@ def test_backups_of_the_run_are_resumed_unless_a_fresh_start_is_asked_for(tmp_pa
     else:
         assert "chief:0 resumes at step 6 (epoch 2, step 2 of it)" in said, said
         assert run.summary["resumed_at_step"] == 6
+
+
+def test_a_second_fit_writes_checkpoints_of_its_own_names(tmp_path):
+    """Issue 53: the second `fit` call of a run wrote `epoch001.weights.h5` over the first's.
+    Now the first's stay `epochNNN`, the second's are `fit2-epochNNN`, each its own weights."""
+    x, y = np.arange(64, dtype="float32").reshape(32, 2) / 64, np.ones(32, "float32")
+    run = distrib_tf.Run(tmp_path / "run", seed=0, exit_on_error=False)
+
+    def build():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    with run.strategy.scope():
+        model = build()
+    stages = []
+    for _ in range(2):
+        run.fit(model, distrib_tf.data.from_arrays(x, y), epochs=1, global_batch_size=8, verbose=0)
+        stages.append(model.get_weights())
+    run.end()
+    folder = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in folder.glob("*.weights.h5")) == ["epoch001.weights.h5", "fit2-epoch001.weights.h5"]
+    for name, expected in zip(["epoch001.weights.h5", "fit2-epoch001.weights.h5"], stages):
+        written = build()
+        written.load_weights(folder / name)
+        assert all(np.array_equal(a, b) for a, b in zip(written.get_weights(), expected)), name
+    assert not all(np.array_equal(a, b) for a, b in zip(*stages))  # The second fit trained on.

@@ -123,7 +123,7 @@ def from_dataset(dataset: tf.data.Dataset, *, steps_per_epoch: int | None = None
     def batches(start_step: int, endless: bool) -> tf.data.Dataset:
         if endless:
             return dataset.repeat().skip(start_step)
-        return dataset.repeat().skip(start_step).take(steps_per_epoch - start_step % steps_per_epoch)  # Its epoch's rest.
+        return dataset.repeat().skip(start_step).take(steps_per_epoch - start_step % steps_per_epoch)  # Epoch's rest.
 
     return Batches(batches, steps_per_epoch, "a tf.data.Dataset", skips=True)
 

@@ -148,7 +148,7 @@ def _stop(child: subprocess.Popen) -> None:
     """Ray is stopping this worker (or the loop failed): SIGTERM the child's whole process
     group (the job backs up and exits 75), SIGKILL what is left after the grace, never wait
     forever. A child still running would write the same `backup/<task>` as the new group's;
-    the backups' lock (`distrib_tf.keras.backup.hold`) keeps the two apart meanwhile."""
+    the backups' lock (`distrib_tf.keras.resume.hold`) keeps the two apart meanwhile."""
     if child.poll() is not None:
         return
     for sig, wait in ((signal.SIGTERM, CHILD_GRACE_SECONDS), (signal.SIGKILL, None)):

@@ -3,7 +3,8 @@
 - `compat`: the version-gated fixes that make Keras 3 `fit` work under
   `MultiWorkerMirroredStrategy` (every patch of a private Keras API lives there);
 - `callbacks`: chief-only checkpoints, epoch timing;
-- `backup`: every worker's own backups and the agreed resume step;
+- `backup`: every worker's own backups: their files, the background writer, retention;
+- `resume`: the resume step every worker agrees on, and its state for a worker without it;
 - `preemption`: SIGTERM between any two batches, one agreed step, exit 75;
 - `nonfinite`: every worker stops at the same step on a NaN or Inf loss, the culprit named;
 - `progress`: throughput, ETA and the slowest worker;

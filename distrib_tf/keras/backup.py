@@ -23,21 +23,8 @@ holds the state's size and SHA-256: a backup whose state does not match is not l
 so every worker advertises only backups that will load. The last `keep` backups are
 kept. Saving runs no collectives, so each worker saves alone.
 
-On a start, `agree_on_resume()` gathers from every worker the newest backup of this run it
-can read (one all-gather, before training) and every worker takes the same decision: the
-newest step any of them can read. A backup of a step holds the state of that step
-whatever layout wrote it (a resume is exact: a restart reaches the same state at the same
-step), so the newest wins over any history of layouts: 2 workers, then 1 process, then 2
-again resume at the single process's last step, not at the workers' older one.
-
-- no worker can read a backup of this run: start at step 0;
-- a worker reads it from its own directory, or beside it from another task's (a shared
-  disk; a layout with fewer workers, or with one process, over the disk the gone tasks
-  wrote); the others get that step's state, and the backup's metadata, from one that
-  read it over the collective (`share_state`), exactly: a host that lost its disk or
-  joined the job;
-- a worker whose own directory holds another run's backups (another config or job):
-  a `ResumeError` naming it, raised on every worker alike, so none hangs.
+Which backup a start resumes, and how a worker without it receives it, is
+`distrib_tf.keras.resume`'s: this module reads and writes one worker's files.
 
 What is kept where: each task writes only its own directory, keeping its last 2 backups.
 The backups of tasks a layout no longer has are read, never written; a worker deletes
@@ -48,13 +35,11 @@ each task keeps its last backup, marked finished (`finish`).
 Example:
 
     >>> callback = WorkerBackup("/tmp/run/backup/worker-0", run="3fa2c1", task="worker:0",
-    ...                         every_steps=50)
-    >>> resume = agree_on_resume(model, "/tmp/run/backup/worker-0", run="3fa2c1", task="worker:0")
-    >>> resume.step, resume.meta["history"]
+    ...                         steps_per_epoch=100, every_steps=50)
+    >>> [b["step"] for b in list_backups("/tmp/run/backup/worker-0")]
 """
 
 import atexit
-import fcntl
 import glob
 import hashlib
 import json
@@ -64,24 +49,16 @@ import re
 import tempfile
 import threading
 import time
-from typing import NamedTuple
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from distrib_tf import events
-from distrib_tf.keras import phases
 from distrib_tf.keras import steps as steps_lib
 from distrib_tf.keras import user_view
 
 _NAME = re.compile(r"step-(\d+)\.json$")
-_JOB_CODES = {"chief": 0, "worker": 1}
-_NONE, _OURS, _FOREIGN = 0, 1, 2
-
-
-class ResumeError(RuntimeError):
-    """The workers' backups do not give one resume point."""
 
 
 def task_dirname(task: str) -> str:
@@ -91,7 +68,7 @@ def task_dirname(task: str) -> str:
 
 def list_backups(directory: str) -> list[dict]:
     """The complete, intact backups in `directory`, oldest first (their metadata)."""
-    found = [m for m in _metadata(directory) if _intact(_data_path(directory, m), m)]
+    found = [m for m in _metadata(directory) if _intact(data_path(directory, m), m)]
     return sorted(found, key=lambda m: m["step"])
 
 
@@ -149,7 +126,7 @@ def _state_path(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:09d}.state")
 
 
-def _data_path(directory: str, meta: dict) -> str:
+def data_path(directory: str, meta: dict) -> str:
     """The file that holds a backup's variables, by its metadata's format."""
     return (_state_path if "variables" in meta else _weights_path)(directory, meta["step"])
 
@@ -238,22 +215,6 @@ def write_state(path: str, values) -> dict:
         os.fsync(f.fileno())
     os.replace(writing, path)
     return {"bytes": size, "sha256": digest.hexdigest()}
-
-
-def load_state(model, path: str, meta: dict) -> None:
-    """Restores a backup's variables into `model` (and its optimizer, built)."""
-    variables = state_variables(model)
-    held = meta["variables"]
-    mine = describe_variables(variables)  # Matched by order, type and shape (as `load_weights` does):
-    if [h[1:] for h in held] != [m[1:] for m in mine]:  # a model built again gets other names.
-        first = next((f"{h} in the backup, {m} in the model" for h, m in zip(held, mine) if h[1:] != m[1:]),
-                     f"{len(held)} variables in the backup, {len(mine)} in the model")
-        raise ResumeError(f"Cannot resume from {path}: its variables are not this model's ({first}). Expected "
-                          "the model and optimizer that wrote it: use fresh_start, or another model_dir.")
-    with open(path, "rb") as f:
-        for variable, (_, dtype, shape) in zip(variables, held):
-            count = int(np.prod(shape))
-            variable.assign(np.fromfile(f, dtype=np.dtype(dtype), count=count).reshape(shape))
 
 
 class WorkerBackup(keras.callbacks.Callback):
@@ -376,12 +337,6 @@ class WorkerBackup(keras.callbacks.Callback):
             self.retired_below = step
 
 
-def seed_states(model) -> list:
-    """The state variables of `model`'s `SeedGenerator`s (in `model.variables`, not in
-    what `save_weights` writes)."""
-    return [v for v in model.variables if v.path.endswith("seed_generator_state")]
-
-
 def metric_sums(model) -> list:
     """This worker's own share of every compiled metric's state (its replicas' parts of each
     on-read variable, as they are: no collective), for the epoch's History value."""
@@ -400,32 +355,6 @@ def set_metric_sums(model, sums: list) -> None:
     for saved, local in zip(sums, parts):
         for value, part in zip(saved, local):
             part.assign(np.asarray(value, dtype=part.dtype.as_numpy_dtype).reshape(part.shape))
-
-
-def hold(directory: str, *, wait_seconds: float = 120.0) -> int:
-    """Holds `directory` (an exclusive `flock` on the directory itself, no file added) for as
-    long as this process runs, waiting up to `wait_seconds` for a process that holds it to
-    end: two processes of one task (a worker stopping beside its replacement, under Ray)
-    never write or prune the same backups. Returns the descriptor that holds it (keep it).
-
-    Raises:
-        ResumeError: another process still holds it after `wait_seconds`.
-    """
-    make_private_dirs(directory)
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    deadline = time.monotonic() + wait_seconds
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                os.close(fd)
-                raise ResumeError(f"Cannot resume: another process still holds {directory} after "
-                                  f"{wait_seconds:.0f} s. Expected it to end first (a process of this task "
-                                  "still running, such as one a restarted Ray worker left): stop it, or wait "
-                                  "for it.") from None
-            time.sleep(0.2)
 
 
 def write_json_atomically(path: str, content: dict) -> None:
@@ -476,34 +405,23 @@ def retire_finished(directory: str, *, run: str) -> list[int]:
     return [b["step"] for b in held]
 
 
-class Found(NamedTuple):
-    """A backup this worker can read: the directory that holds it, and its metadata."""
-    directory: str
-    meta: dict
-
-
-def newest(directory: str, *, run: str) -> Found | None:
-    """The newest intact backup of `run` that this worker can read: in its own `directory` or
-    beside it, any task's (at a step, every worker's state is the same: the backups of one
-    run are of one training, whatever layout wrote them). Its own at a tie. Only the
-    candidates from the newest down are checked against their SHA-256, until one is whole.
-    Backups of another run beside it are not this run's state and are left alone.
-
-    Example:
-
-        >>> newest("runs/x/backup/chief-0", run="3fa2c1")  # After 2 workers, then 1 process.
-        Found(directory='runs/x/backup/chief-0', meta={'step': 101, ...})
-    """
+def readable(directory: str, *, run: str):
+    """The intact backups of `run` that this worker can read, newest first, as `(folder,
+    metadata)`: in its own `directory` or beside it, any task's (its own first at a tie).
+    Each is checked against its SHA-256 only when reached: a caller that stops at the
+    first whole one checks no older one."""
     candidates = []
     parent = os.path.dirname(directory)
     for rank, folder in enumerate([directory, *sorted(set(_siblings(parent)) - {directory})]):
-        for meta in _metadata(folder):
-            if meta.get("run") == run:
-                candidates.append((-meta["step"], rank, folder, meta))
+        candidates += [(-meta["step"], rank, folder, meta) for meta in _metadata(folder) if meta.get("run") == run]
     for _, _, folder, meta in sorted(candidates, key=lambda c: c[:2]):
-        if _intact(_data_path(folder, meta), meta):
-            return Found(folder, meta)
-    return None
+        if _intact(data_path(folder, meta), meta):
+            yield folder, meta
+
+
+def other_runs(directory: str, *, run: str) -> list[dict]:
+    """The metadata of the backups in `directory` of a run other than `run`, unchecked."""
+    return [meta for meta in _metadata(directory) if meta.get("run") != run]
 
 
 def _siblings(parent: str) -> list[str]:
@@ -565,129 +483,3 @@ def _remove(directory: str, step: int) -> None:
             pass
 
 
-def _describe_local(directory: str, run: str, task: str, found: Found | None) -> np.ndarray:
-    """This worker's row: `[job, index, status, newest step it can read or -1, its metadata's
-    size, whether that backup is this task's own]`."""
-    job, index = task.split(":")
-    foreign = [m for m in _metadata(directory) if m.get("run") != run]
-    status = _FOREIGN if foreign else (_OURS if found else _NONE)
-    step, size = (found.meta["step"], len(_encode(found.meta))) if found else (-1, 0)
-    own = found is not None and found.directory == directory and found.meta.get("task") == task
-    return np.array([_JOB_CODES.get(job, 1), int(index), status, step, size, own], dtype=np.int64)
-
-
-def _encode(meta: dict) -> bytes:
-    return json.dumps(meta, sort_keys=True).encode()
-
-
-def gather_rows(strategy, row: np.ndarray) -> np.ndarray:
-    """Every replica's copy of its worker's `row`, stacked in replica order (one all-gather)."""
-    values = strategy.experimental_distribute_values_from_function(
-        lambda _: tf.constant(row[None, :]))
-    return strategy.gather(values, axis=0).numpy()
-
-
-class Resume(NamedTuple):
-    """Where the workers agreed to resume: the global `step` (0: a fresh start), the
-    backup's metadata (the History, the callbacks' states...; `{}` on a fresh start), the
-    directory this worker read it from (`None`: received from a worker that holds it), and
-    whether every worker read its own task's backup of the step (what periodic sync needs,
-    whose workers' weights differ between averages)."""
-    step: int
-    meta: dict
-    source: str | None
-    all_own: bool = False
-
-
-def agree_on_resume(model, directory: str, *, run: str, task: str, include_start: bool = False) -> Resume:
-    """Agrees with every worker on the step to resume from, and restores it.
-
-    Must be called by every worker at the same point, after `compile` and before `fit`.
-    The step is the newest any worker can read (`newest`: its own backups or those beside
-    them, any layout's); every worker that can read it loads it, and the others receive it
-    from one that did (`share_state`). The backup of step 0 (the starting point) is
-    restored only with `include_start`, which a rollback uses; a resume at step 0 is a
-    fresh start.
-
-    Raises:
-        ResumeError: a worker's own directory holds another run's backups; every worker
-            raises the same error.
-    """
-    strategy = model.distribute_strategy
-    found = newest(directory, run=run)
-    row = _describe_local(directory, run, task, found)
-    phases.enter(strategy, "agree_on_resume")  # A worker slow to start is not a dead one.
-    rows = gather_rows(strategy, row)
-    step = decide(rows)
-    if not (step or include_start):
-        return Resume(0, {}, None, True)
-    with strategy.scope():
-        if not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)
-    holds = found is not None and found.meta["step"] == step
-    if holds:
-        if "variables" in found.meta:
-            load_state(model, _state_path(found.directory, step), found.meta)
-        else:  # A backup of an earlier version: Keras's weights, the seeds in its metadata.
-            model.load_weights(_weights_path(found.directory, step))
-            for variable, value in zip(seed_states(model), found.meta.get("seeds") or ()):
-                variable.assign(np.asarray(value, dtype=variable.dtype))
-    meta = share_state(model, rows, step, found.meta if holds else None)
-    all_own = bool(all(row[3] == step and row[5] for row in rows))
-    return Resume(step, meta, found.directory if holds else None, all_own)
-
-
-def decide(rows: np.ndarray) -> int:
-    """The resume step from every worker's `_describe_local` row: the newest any of them can read."""
-    foreign = [f"{'chief' if job == 0 else 'worker'}:{index}"
-               for job, index, status, *_ in rows.tolist() if status == _FOREIGN]
-    if foreign:
-        raise ResumeError(
-            f"Cannot resume: {foreign[0]} holds a backup of a different run in its "
-            "model_dir/backup/ (another config or job). Expected backups of this run only: "
-            "use a new --model_dir, or remove that host's old backup."
-        )
-    return max(0, int(rows[:, 3].max()))
-
-
-def share_state(model, rows: np.ndarray, step: int, meta: dict | None) -> dict:
-    """Gives the state of `step` to every worker that cannot read it, from the first replica
-    that did: every variable of the model and its optimizer, and the backup's metadata, in
-    one all-reduce, in float64, where only that replica adds its values (exact: x + 0 is x,
-    and float32, integer counts below 2**53 and bytes pass through float64 unchanged).
-    Returns the metadata (this worker's own when it holds the step).
-
-    Every worker calls it at the same point with the same `rows` (one per replica), the
-    holders once their backup is loaded; all meet at a barrier first, so that a collective
-    timeout does not run while a holder still loads a large model.
-    """
-    holders = [r for r, row in enumerate(rows) if row[3] == step]
-    if len(holders) == len(rows):
-        return meta
-    strategy, source = model.distribute_strategy, holders[0]
-    variables = state_variables(model)
-    encoded = np.zeros(int(rows[source][4]), dtype=np.float64)
-    if meta is not None:
-        encoded = np.frombuffer(_encode(meta), dtype=np.uint8).astype(np.float64)
-    phases.enter(strategy, "state_loaded")
-
-    @tf.function
-    def summed():
-        def replica_fn():
-            context = tf.distribute.get_replica_context()
-            flat = tf.concat([tf.reshape(tf.cast(v.value, tf.float64), [-1]) for v in variables]
-                             + [tf.constant(encoded)], 0)
-            mine = tf.equal(context.replica_id_in_sync_group, source)
-            return context.all_reduce("SUM", tf.where(mine, flat, tf.zeros_like(flat)))
-        return strategy.run(replica_fn)
-
-    flat = strategy.experimental_local_results(summed())[0].numpy()
-    offset = 0
-    for variable in variables:
-        size = int(np.prod(variable.shape))
-        variable.assign(flat[offset:offset + size].reshape(variable.shape).astype(variable.dtype))
-        offset += size
-    if meta is None:
-        meta = json.loads(flat[offset:].astype(np.uint8).tobytes())
-        events.emit("state_received", step=step)
-    return meta

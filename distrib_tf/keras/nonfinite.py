@@ -43,7 +43,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from distrib_tf.keras import backup
+from distrib_tf.keras import resume
 from distrib_tf.keras import steps as steps_lib
 
 METRIC = "nonfinite_replicas"
@@ -221,7 +221,7 @@ class StopOnNonFinite(keras.callbacks.Callback):
             local = np.array([[float(p.numpy()), float(f.numpy())] for p, f in zip(
                 _per_replica(strategy, self._metric.in_predictions),
                 _per_replica(strategy, self._metric.flags))]).reshape(-1)
-            rows = backup.gather_rows(strategy, local)
+            rows = resume.gather_rows(strategy, local)
             seen = rows[::len(local) // 2].reshape(-1, 2)  # One row per worker: (predictions, any) per replica.
             culprits = [f"replica {r} ({task})" for r, (task, bad) in enumerate(zip(self.workers, seen)) if bad[0]]
             if not culprits:  # Not in the predictions: in the weights after the update.
@@ -245,7 +245,7 @@ def name_input_culprits(error: NonFiniteLoss, strategy, replica_tasks, batches) 
     x = next(iter(batches))[0]  # One tensor, or a dict or tuple of them (several inputs).
     local = [t.numpy() for each in tf.nest.flatten(x) for t in strategy.experimental_local_results(each)]
     bad = any(not np.isfinite(a).all() for a in local if np.issubdtype(a.dtype, np.inexact))
-    rows = backup.gather_rows(strategy, np.array([int(bad)]))
+    rows = resume.gather_rows(strategy, np.array([int(bad)]))
     culprits = sorted({task for task, row in zip(replica_tasks, rows) if row[0]})
     if culprits:
         error.culprits, error.where = culprits, "input batch"

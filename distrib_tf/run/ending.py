@@ -5,7 +5,7 @@
 | `preemption.Preempted` (SIGTERM)      | 75 `PREEMPTED`, state saved  | starts it again  |
 | `pruning.Pruned` (a sweep pruned it)  | 3 `PRUNED`, state saved      | does not retry   |
 | `nonfinite.NonFiniteLoss`             | 65 `NONFINITE`               | does not retry   |
-| `backup.ResumeError`, `InvalidRun`    | 2 `USAGE`, nothing lost      | does not retry   |
+| `resume.ResumeError`, `InvalidRun`    | 2 `USAGE`, nothing lost      | does not retry   |
 | anything else                         | the traceback, as Python's   | may retry        |
 
 No TensorFlow at import.
@@ -28,10 +28,10 @@ class InvalidRun(ValueError):
 def classify(error: BaseException) -> int | None:
     """The exit code for `error`, or `None` when it is not one a scheduler acts on."""
     # pylint: disable=import-outside-toplevel  (TensorFlow's modules: only once a run exists)
-    from distrib_tf.keras import backup
     from distrib_tf.keras import nonfinite
     from distrib_tf.keras import preemption
     from distrib_tf.keras import pruning
+    from distrib_tf.keras import resume
 
     if isinstance(error, pruning.Pruned):
         return exit_codes.PRUNED
@@ -39,7 +39,7 @@ def classify(error: BaseException) -> int | None:
         return exit_codes.PREEMPTED
     if isinstance(error, nonfinite.NonFiniteLoss):
         return exit_codes.NONFINITE
-    if isinstance(error, (backup.ResumeError, InvalidRun)):
+    if isinstance(error, (resume.ResumeError, InvalidRun)):
         return exit_codes.USAGE
     return None
 

@@ -103,8 +103,9 @@ class Run:
             `"multi_worker"` (the strategy object is `run.strategy`).
         cpu_replicas: passed to `make_strategy`.
         collective_timeout: passed to `make_strategy`.
-        keep_checkpoints: the chief keeps this run's last N epoch checkpoints
-            (`checkpoints/epochNNN.weights.h5`); `None`: every epoch's.
+        keep_checkpoints: the chief keeps the last N epoch checkpoints of each `fit`
+            (`checkpoints/epochNNN.weights.h5`, the second `fit`'s `fit2-epochNNN...`);
+            `None`: every epoch's.
         backup_in_background: a backup stops training only while the state is copied into
             memory; its files are written in the background (default). False: each backup
             waits for its files (`distrib_tf.keras.backup`).
@@ -148,7 +149,7 @@ class Run:
         self.summary: dict = {}  # Written by the chief as `summary.json` at the end; add to it.
         self._fitted = self._ended = self._crashed = False
         self._stages: list[tuple[str, str]] = []  # Each fit's backup directory and run id.
-        self._held: list[int] = []  # The backup directories this process holds (`backup.hold`).
+        self._held: list[int] = []  # The backup directories this process holds (`resume.hold`).
         self._schedule = None  # The user's learning-rate schedule, after a rollback replaced it.
         tf.distribute.experimental_set_strategy(self.strategy)  # The script's models are built under it.
         routing.activate(self)  # And their `model.fit` is this run's.
@@ -172,7 +173,7 @@ class Run:
         except RuntimeError as e:
             if not str(e).startswith("make_strategy() must be called before"):
                 raise
-            raise InvalidRun(f"distrib_tf.Run(...) came after the script's first TensorFlow operation (a tf.data "
+            raise InvalidRun("distrib_tf.Run(...) came after the script's first TensorFlow operation (a tf.data "
                              "pipeline, a tensor or a model made above it), and the strategy is configured when "
                              "TensorFlow starts. Expected its two lines (`import distrib_tf`, `run = "
                              "distrib_tf.Run(...)`) right after the script's imports") from e
@@ -262,7 +263,7 @@ class Run:
 
         Raises:
             InvalidRun: the model, the data or a number cannot run (exit code 2).
-            backup.ResumeError: the workers' backups give no common step (exit code 2).
+            resume.ResumeError: the workers' backups give no common step (exit code 2).
             preemption.Preempted, nonfinite.NonFiniteLoss: see `distrib_tf.run.ending`.
         """
         if self.is_evaluator:

@@ -1,6 +1,6 @@
 """A stage of a run: one `fit` call, resumed where its backups agree, to its last epoch.
 
-Every worker agrees on the step to resume from (`distrib_tf.keras.backup`); a stage resumed
+Every worker agrees on the step to resume from (`distrib_tf.keras.resume`); a stage resumed
 inside an epoch trains that epoch's remaining steps, then goes on by epochs; a NaN rolls
 back to the last common backup with half the learning rate (`on_nan="rollback"`). The
 guarantees come as callbacks, in their order: distrib_tf's, then `HideOwnLogs`, then the
@@ -25,6 +25,7 @@ from distrib_tf.keras import nonfinite
 from distrib_tf.keras import preemption
 from distrib_tf.keras import progress
 from distrib_tf.keras import pruning
+from distrib_tf.keras import resume as resume_lib
 from distrib_tf.keras import steps as steps_lib
 from distrib_tf.keras import user_view
 from distrib_tf.run import export
@@ -44,16 +45,16 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     with preemption.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.
         backup.make_private_dirs(run.model_dir, tighten=True)  # Every worker's: its backups live there.
         grace = float(os.environ.get(preemption.GRACE_ENV) or 60)
-        run._held.append(backup.hold(backup_dir, wait_seconds=2 * grace))  # A task's old process ends first.
+        run._held.append(resume_lib.hold(backup_dir, wait_seconds=2 * grace))  # A task's old process ends first.
         if run.fresh_start and (cleared := backup.clear_run(backup_dir, run=run_id)):
             print(f"{run.task} starts at step 0 (fresh_start): deleted the backups of steps {cleared} of "
                   f"this run in {os.path.dirname(backup_dir)}", flush=True)
         elif retired := backup.retire_finished(backup_dir, run=run_id):
             print(f"{run.task} starts at step 0: its backup of step {retired[-1]} in {backup_dir} is a finished "
                   "run's of another script (another model, optimizer, data or batch); deleted", flush=True)
-            run._held.append(backup.hold(backup_dir, wait_seconds=2 * grace))
+            run._held.append(resume_lib.hold(backup_dir, wait_seconds=2 * grace))
         run._stages.append((backup_dir, run_id))
-        resume = backup.agree_on_resume(model, backup_dir, run=run_id, task=run.task)
+        resume = resume_lib.agree_on_resume(model, backup_dir, run=run_id, task=run.task)
     start_step, meta = offset + resume.step, resume.meta  # What the step's backup holds beside weights.
     rollbacks = schedules.redo(run, model, meta.get("rollbacks") or [])  # The learning rate they left.
     if resume.step:
@@ -215,7 +216,7 @@ def roll_back(run, model, error) -> int:
     """Restores the newest backup and halves the learning rate."""
     optimizer = model.optimizer
     rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate)) / 2  # Before the backup restores it.
-    step = backup.agree_on_resume(model, run._stages[-1][0], run=run.run_id, task=run.task, include_start=True).step
+    step = resume_lib.agree_on_resume(model, run._stages[-1][0], run=run.run_id, task=run.task, include_start=True).step
     if not schedules.halve(run, model):
         optimizer.learning_rate = rate
     print(f"{run.task} {error} Rolled back to step {step}; learning rate halved to "
