@@ -24,6 +24,7 @@ from distrib_tf.keras import nonfinite
 from distrib_tf.keras import preemption
 from distrib_tf.keras import progress
 from distrib_tf.keras import pruning
+from distrib_tf.keras import replica_state
 from distrib_tf.keras import user_view
 from distrib_tf.run import export
 from distrib_tf.run import schedules
@@ -92,6 +93,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     ours = [
         timer, *periodic,
         nonfinite.StopOnNonFinite(workers=list(run.replica_tasks), steps_per_epoch=steps),  # Before any other.
+        *([] if periodic else [replica_state.AverageReplicaState()]),  # Moving statistics: one value, each step.
         progress.Progress(task=run.task, workers=list(run.replica_tasks), epochs=epochs,
                           steps_per_epoch=steps, global_batch_size=global_batch_size),
         keras.callbacks.TensorBoard(os.path.join(run.model_dir, "logs"), write_graph=False),
