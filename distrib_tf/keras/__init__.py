@@ -9,6 +9,8 @@
 - `nonfinite`: every worker stops at the same step on a NaN or Inf loss, the culprit named;
 - `progress`: throughput, ETA and the slowest worker;
 - `local_sgd`: periodic weight averaging and compressed gradient all-reduce.
+- `replica_state`: what layers update per replica (BatchNormalization's moving statistics),
+  the mean over the replicas after every step.
 
 Nothing here imports the main job (`distrib_tf.train`, `distrib_tf.data`, `distrib_tf.models`);
 `make lint` checks it.

@@ -25,6 +25,7 @@ from distrib_tf.keras import nonfinite
 from distrib_tf.keras import preemption
 from distrib_tf.keras import progress
 from distrib_tf.keras import pruning
+from distrib_tf.keras import replica_state
 from distrib_tf.keras import resume as resume_lib
 from distrib_tf.keras import steps as steps_lib
 from distrib_tf.keras import user_view
@@ -98,6 +99,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
         timer, *periodic,
         nonfinite.StopOnNonFinite(workers=list(run.replica_tasks), steps_per_epoch=steps,  # Before any other.
                                   steps=stage_steps),
+        *([] if periodic else [replica_state.AverageReplicaState()]),  # Moving statistics: one value, each step.
         progress.Progress(task=run.task, workers=list(run.replica_tasks), epochs=epochs,
                           steps_per_epoch=steps, global_batch_size=global_batch_size),
         callbacks_lib.ScalarTensorBoard(os.path.join(run.model_dir, "logs"), write_graph=False),
