@@ -257,3 +257,130 @@ def test_a_py_dataset_resumes_at_its_step_reading_no_batch_before_it(tmp_path):
         run.end()
     assert history.epoch == [0, 1] and sorted(history.history) == ["loss"]
     assert int(model.optimizer.iterations.numpy()) == 8
+
+
+def _vector_metric(m):
+    m.compile(optimizer="adam", loss=keras.losses.CategoricalCrossentropy(from_logits=True),
+              metrics=[keras.metrics.F1Score()])
+    return m
+
+
+KERAS_MEANINGS = {  # Each: what a Keras user writes, on a fresh compiled model; `y` class ids (one-hot for F1Score).
+    "partial_class_weight_and_validation_split": lambda m, x, y: m.fit(
+        x, y, batch_size=20, epochs=2, class_weight={1: 3.0}, validation_split=0.2, shuffle=False, verbose=0),
+    "validation_data_as_a_list": lambda m, x, y: m.fit(
+        x, y, batch_size=20, epochs=2, validation_data=[x[:40], y[:40]], shuffle=False, verbose=0),
+    "reduce_lr_on_plateau_in_history": lambda m, x, y: m.fit(
+        x, y, batch_size=20, epochs=3, validation_split=0.2, shuffle=False, verbose=0,
+        callbacks=[keras.callbacks.ReduceLROnPlateau(patience=0, min_delta=1.0)]),
+    "a_second_fit_without_recompiling": lambda m, x, y: (
+        m.fit(x, y, batch_size=50, epochs=2, shuffle=False, verbose=0),
+        m.fit(x, y, batch_size=50, epochs=3, shuffle=False, verbose=0))[1],
+    "initial_epoch_after_a_fit": lambda m, x, y: (
+        m.fit(x, y, batch_size=50, epochs=2, shuffle=False, verbose=0),
+        m.fit(x, y, batch_size=50, initial_epoch=2, epochs=4, shuffle=False, verbose=0))[1],
+    "steps_per_execution": lambda m, x, y: (
+        m.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=4),
+        m.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0))[1],
+    "a_vector_metric": lambda m, x, y: _vector_metric(m).fit(
+        x, keras.utils.to_categorical(y, 2), batch_size=20, epochs=2, shuffle=False, verbose=0),
+}
+
+
+def test_keras_meanings_under_a_run_end_as_in_plain_keras(tmp_path, capsys):
+    """Issue 50: each of Keras's meanings above, in plain Keras and through a live Run in one
+    process (no shuffle, same seed): the same final weights bit for bit, the same optimizer
+    iterations and the same History (its keys, `learning_rate` included, and values)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 5)).astype("float32")
+    y = x[:, :2].argmax(axis=1)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model
+
+    def outcome(fit):
+        model = build()
+        history = fit(model, x, y)
+        return model.get_weights(), int(model.optimizer.iterations.numpy()), history.history
+
+    plain = {name: outcome(fit) for name, fit in KERAS_MEANINGS.items()}
+    run = distrib_tf.Run(tmp_path / "run", exit_on_error=False)
+    try:
+        ours = {name: outcome(fit) for name, fit in KERAS_MEANINGS.items()}
+    finally:
+        run.end()
+    assert len(os.listdir(tmp_path / "run" / "backup")) > 1  # Through the run: its fits' backups.
+    for name in KERAS_MEANINGS:
+        (plain_weights, plain_iterations, plain_history), (weights, iterations, history) = plain[name], ours[name]
+        assert iterations == plain_iterations, name
+        assert all(np.array_equal(a, b) for a, b in zip(weights, plain_weights)), name
+        assert sorted(history) == sorted(plain_history), (name, history)
+        for key, values in plain_history.items():
+            np.testing.assert_array_equal(np.asarray(history[key]), np.asarray(values), err_msg=f"{name}: {key}")
+    assert "learning_rate" in ours["reduce_lr_on_plateau_in_history"][2]
+    assert ours["a_vector_metric"][2]["f1_score"][0].shape == (2,)
+
+
+def test_the_run_survives_what_keras_users_do_to_sessions(tmp_path):
+    """Issue 50: after `keras.backend.clear_session()` the script's next model is the run's
+    (its fit backed up); a model built before `Run(...)` and a second Run are one-line
+    refusals; Keras's `fit` and the default strategy are the script's again once the run
+    ends, an error leaving its `with` block included."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    x, y = np.ones((16, 2), "float32"), np.ones(16, "float32")
+
+    def build(name=None):
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)], name=name)
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    before = build("built_before")
+    with pytest.raises(RuntimeError, match="left the block"):
+        with distrib_tf.Run(tmp_path / "run", exit_on_error=False) as run:
+            with pytest.raises(distrib_tf.run.InvalidRun, match=r"'built_before' was built under another strategy"):
+                before.fit(x, y, batch_size=8, epochs=1, verbose=0)
+            with pytest.raises(distrib_tf.run.InvalidRun, match=r"while Run\(.*\) is live in this process"):
+                distrib_tf.Run(tmp_path / "other", exit_on_error=False)
+            keras.backend.clear_session()
+            model = build()
+            assert model.distribute_strategy is run.strategy
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+            assert os.path.isdir(tmp_path / "run" / "backup" / "chief-0")
+            raise RuntimeError("left the block")
+    assert "fit" not in vars(keras.Model) and tf.distribute.get_strategy() is not run.strategy
+    assert build().fit(x, y, epochs=1, verbose=0).epoch == [0]  # Plain Keras: nothing of the run's.
+    assert not os.path.isdir(tmp_path / "run" / "backup" / "fit2")
+
+
+@pytest.fixture(scope="module")
+def trained_more(tmp_path_factory):
+    code, text, result = _script(tmp_path_factory.mktemp("trained_more") / "run", "--train_more")
+    assert code == 0, text[-3000:]
+    return result
+
+
+# Executions end at 16 + 3, 6, 8, 11, ...: inside the second epoch; the last (make soak).
+@pytest.mark.parametrize("iteration", [27, pytest.param(38, marks=pytest.mark.slow)])
+def test_a_second_fit_without_recompiling_preempted_resumes_at_its_own_step(tmp_path, trained_more, iteration):
+    """Issue 50: `fit(epochs=2)`, then `fit(epochs=3)` on the same compiled model with 3 steps
+    an execution (one replica, a Dropout), SIGTERM in the second fit at an execution's end: it
+    backs up the second fit's own step (iteration - 16), the restart resumes there and ends on
+    the uninterrupted run's weights, iterations (16 + 24) and Histories."""
+    uninterrupted = trained_more
+    assert uninterrupted["iterations"] == 40 and len(uninterrupted["histories"][1]["loss"]) == 3
+    step = iteration - 16
+    code, text, _ = _script(tmp_path / "run", "--train_more", f"--sigterm_at_step={iteration}", "--sigterm_stage=1")
+    assert code == 75, text[-3000:]
+    assert f"chief:0 preempted: backed up step {step}" in text, text[-3000:]
+    code, text, resumed = _script(tmp_path / "run", "--train_more")
+    assert code == 0, text[-3000:]
+    assert f"chief:0 resumes at step {step} (epoch {step // 8 + 1}, step {step % 8} of it)" in text, text[-3000:]
+    assert resumed["iterations"] == 40 and resumed["weights"] == uninterrupted["weights"]
+    assert resumed["histories"][0] == uninterrupted["histories"][0]
+    assert resumed["histories"][1]["loss"] == pytest.approx(uninterrupted["histories"][1]["loss"], rel=1e-6)

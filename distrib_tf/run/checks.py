@@ -16,7 +16,10 @@ def _check_model(model, strategy) -> None:
     if not model.compiled:
         raise InvalidRun("Invalid value for argument `model`: it is not compiled. Expected "
                          "`model.compile(optimizer=..., loss=...)` under `run.strategy.scope()` first.")
-    if model.distribute_strategy is not strategy:
+    # A model built before the run reads the run's strategy as its own (Keras asks for the default
+    # one when it has none) but its variables are not the strategy's: every worker would train alone.
+    if model.distribute_strategy is not strategy or not all(
+            strategy.extended.variable_created_in_scope(v.value) for v in model.variables[:1]):
         raise InvalidRun(f"Invalid value for argument `model`: {model.name!r} was built under another strategy "
                          "(before `distrib_tf.Run(...)`, or under another Run). Expected it built after "
                          "`distrib_tf.Run(...)`, whose strategy is then the default, or under "

@@ -3,8 +3,9 @@ calls: fit the head on a `tf.data.Dataset`, unfreeze, recompile, fine-tune on ar
 
     python tests/workers/keras_stages.py MODEL_DIR [--sigterm_at_step=N --sigterm_stage=I]
     python tests/workers/keras_stages.py MODEL_DIR --early_stopping [--sigterm_at_step=N]
+    python tests/workers/keras_stages.py MODEL_DIR --train_more [--sigterm_at_step=N --sigterm_stage=I]
 
-One process, two replicas (`cpu_replicas=2`), a `Dropout` in the model. A fault acts from
+One process, two replicas (`cpu_replicas=2`; one with `--train_more`), a `Dropout` in the model. A fault acts from
 outside the script's Keras code: a callback in the list, as a scheduler's SIGTERM after a
 step would. Prints `RESULT {...}`: the final weights' sha256, each stage's History, and
 the epochs the early-stopping stage trained in this process.
@@ -62,12 +63,15 @@ def main():
     parser.add_argument("--sigterm_at_step", type=int, default=-1)
     parser.add_argument("--sigterm_stage", type=int, default=0)
     parser.add_argument("--early_stopping", action="store_true")
+    parser.add_argument("--train_more", action="store_true",
+                        help="Keras's 'train more': a second fit of the same compiled model, 3 steps an execution")
     args = parser.parse_args()
     faults = [[], []]
     if args.sigterm_at_step > 0:
         faults[args.sigterm_stage].append(Fault(args.sigterm_at_step))
 
-    run = distrib_tf.Run(args.model_dir, seed=0, backup_every_steps=3, cpu_replicas=2)
+    # Keras 3 runs several steps an execution on one replica only (`distrib_tf.keras.compat`).
+    run = distrib_tf.Run(args.model_dir, seed=0, backup_every_steps=3, cpu_replicas=1 if args.train_more else 2)
     x, y = data()
     base = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu")], name="base")
     model = keras.Sequential([base, keras.layers.Dropout(0.3), keras.layers.Dense(2)])
@@ -79,6 +83,12 @@ def main():
         stop = keras.callbacks.EarlyStopping(monitor="loss", patience=2, min_delta=1e9)
         history = model.fit(x, y, batch_size=BATCH, epochs=6, callbacks=[stop, epochs, *faults[0]], verbose=0)
         results["histories"] = [history.history]
+    elif args.train_more:  # 8 steps an epoch, executions of 3, 3 and 2; the second fit from iteration 16.
+        model.compile(optimizer="adam", loss=loss, metrics=["accuracy"], steps_per_execution=3)
+        first = model.fit(x, y, batch_size=BATCH, epochs=2, callbacks=[epochs, *faults[0]], verbose=0)
+        more = model.fit(x, y, batch_size=BATCH, epochs=3, callbacks=faults[1], verbose=0)
+        results["histories"] = [first.history, more.history]
+        results["iterations"] = int(model.optimizer.iterations.numpy())
     else:
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(ROWS, seed=1).batch(BATCH)
         base.trainable = False
