@@ -31,8 +31,10 @@ train: $(STAMP)
 	$(PY) -m distrib_tf.launch --cluster_spec=cluster_specs/local_2workers.json \
 	    -- $(PY) -m distrib_tf.train --model=cnn --model_dir=runs/cnn
 
+# Two test files at a time (pytest-xdist, a file's tests on one process, in order): most tests
+# wait on TensorFlow's start-up and on their workers' processes, which the other file's fill.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=40 -m "not slow and not engines"
+	$(PY) -m pytest -q --durations=40 -n 2 --dist loadfile -m "not slow and not engines"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not multiworker and not slow and not engines"
