@@ -179,8 +179,9 @@ def test_a_stage_preempted_resumes_at_its_step_and_the_script_ends_bit_identical
 
 
 def test_early_stopping_preempted_between_its_epochs_stops_where_the_uninterrupted_run_does(tmp_path):
-    """EarlyStopping(patience=2) set wait=1 at the end of epoch 2; a SIGTERM inside epoch 3:
-    the restart goes on from its state and stops after epoch 3, as the run never interrupted."""
+    """EarlyStopping(patience=2, restore_best_weights=True) set wait=1 at the end of epoch 2; a
+    SIGTERM inside epoch 3: the restart goes on from its state, its best weights (epoch 1's)
+    included, stops after epoch 3 and restores them, as the run never interrupted."""
     code, text, plain = _script(tmp_path / "plain", "--early_stopping")
     assert code == 0 and plain["epochs_trained"] == [1, 2, 3], text[-3000:]
     code, text, _ = _script(tmp_path / "run", "--early_stopping", "--sigterm_at_step=19")  # Epoch 3, step 3.

@@ -135,6 +135,32 @@ def _meta_path(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:09d}.json")
 
 
+def _callbacks_path(directory: str, step: int) -> str:
+    """The user's callbacks' arrays at a step (`user_view.callback_arrays`), when any."""
+    return os.path.join(directory, f"step-{step:09d}.callbacks.npz")
+
+
+def write_arrays(path: str, arrays: dict) -> None:
+    """`arrays` (names to arrays) as one `.npz`, through a temporary name, synced, renamed."""
+    with open(f"{path}.writing", "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f"{path}.writing", path)
+
+
+def read_arrays(directory: str | None, meta: dict) -> dict | None:
+    """The callbacks' arrays a backup's metadata names, from `directory`; `None` when it names
+    none or they are not there (a state handed over by a peer, whose disk they are on)."""
+    if not directory or not meta.get("callback_arrays"):
+        return None
+    try:
+        with np.load(os.path.join(directory, meta["callback_arrays"])) as held:
+            return {name: held[name] for name in held.files}
+    except OSError:
+        return None
+
+
 class Writer:
     """Writes this process's backups and checkpoints in the background, in the order asked.
 
@@ -309,18 +335,24 @@ class WorkerBackup(keras.callbacks.Callback):
         meta = {"run": self.run, "step": step, "epoch": step // self.steps_per_epoch, "task": self.task,
                 "history": list(self.history), "callbacks": user_view.callback_states(self.callbacks),
                 "stopped": bool(self.model.stop_training), "rollbacks": list(self.rollbacks)}
+        held = user_view.callback_arrays(self.callbacks)  # EarlyStopping's best weights, as they are now.
+        if held:
+            meta["callback_arrays"] = os.path.basename(_callbacks_path(self.directory, step))
         self.saved_step = step
-        WRITER.submit(lambda: self._write(step, arrays, state, meta))
+        WRITER.submit(lambda: self._write(step, arrays, state, meta, held))
         if not self.asynchronous:
             WRITER.wait()
         self.blocked_seconds.append(time.perf_counter() - started)
 
-    def _write(self, step: int, arrays, state: dict, meta: dict) -> None:
-        """In the background: the variables (unless `arrays` is None: written already), then
-        the metadata, which makes the backup count; then the older backups go."""
+    def _write(self, step: int, arrays, state: dict, meta: dict, held: dict) -> None:
+        """In the background: the variables (unless `arrays` is None: written already) and the
+        callbacks' arrays, then the metadata, which makes the backup count; then the older
+        backups go."""
         if arrays is not None:
             make_private_dirs(self.directory)
             self._weights = {**write_state(_state_path(self.directory, step), arrays), **state}
+        if held:
+            write_arrays(_callbacks_path(self.directory, step), held)
         meta_path = _meta_path(self.directory, step)
         with open(meta_path + ".writing", "w", encoding="utf-8") as f:
             json.dump({**meta, **self._weights}, f)
@@ -476,7 +508,8 @@ def clear_run(directory: str, *, run: str) -> list[int]:
 def _remove(directory: str, step: int) -> None:
     """Deletes one backup, its metadata first (without it the weights are no backup). A file
     another worker deleted first (a shared disk) is gone, as asked."""
-    for path in (_meta_path(directory, step), _state_path(directory, step), _weights_path(directory, step)):
+    for path in (_meta_path(directory, step), _state_path(directory, step), _weights_path(directory, step),
+                 _callbacks_path(directory, step)):
         try:
             os.remove(path)
         except FileNotFoundError:

@@ -149,20 +149,46 @@ def without_backup_and_restore(callbacks, task: str) -> list:
     return kept
 
 
+def callback_arrays(callbacks) -> dict:
+    """The arrays a callback's state holds beside its numbers: `EarlyStopping(
+    restore_best_weights=True)`'s best weights, named `"<callback>_<weight>"` (a backup writes
+    them in a file of their own, `distrib_tf.keras.backup`)."""
+    return {f"{index}_{i}": np.asarray(w) for index, callback in enumerate(callbacks)
+            if isinstance(callback, keras.callbacks.EarlyStopping) and callback.best_weights is not None
+            for i, w in enumerate(callback.best_weights)}
+
+
+def set_callback_arrays(callbacks, arrays: dict | None, task: str) -> None:
+    """Gives each callback the arrays `callback_arrays` recorded; an `EarlyStopping` that
+    restores its best weights but finds none in the backup (a state handed over by a peer)
+    says so in one line."""
+    for index, callback in enumerate(callbacks):
+        if isinstance(callback, keras.callbacks.EarlyStopping) and callback.restore_best_weights:
+            weights = [arrays[k] for k in sorted((k for k in arrays or {} if k.startswith(f"{index}_")),
+                                                 key=lambda k: int(k.split("_")[1]))]
+            if weights:
+                callback.best_weights = weights
+            elif callback.best is not None and math.isfinite(callback.best):
+                print(f"{task}: EarlyStopping(restore_best_weights=True) resumed without its best weights (they "
+                      "are on another worker's disk): it restores the best epoch since this resume", flush=True)
+
+
 class Segments(keras.callbacks.CallbackList):
     """The user's callbacks across the `fit` calls that make one stage (a resumed partial
     epoch, then the rest; a rollback): `on_train_begin` before the first, then the state
     they held at the step resumed (`states`), `on_train_end` after the last."""
 
-    def __init__(self, callbacks, model, states=None):
+    def __init__(self, callbacks, model, states=None, arrays=None, task="chief:0"):
         super().__init__(list(callbacks), add_history=False, add_progbar=False, model=model)
-        self.first, self.last, self.states = True, False, states
+        self.first, self.last, self.states, self.arrays, self.task = True, False, states, arrays, task
 
     def on_train_begin(self, logs=None):
         if self.first:
             self.first = False
             super().on_train_begin(logs)
             set_callback_states(self.callbacks, self.states)
+            if self.states:
+                set_callback_arrays(self.callbacks, self.arrays, self.task)
 
     def on_train_end(self, logs=None):
         if self.last:

@@ -72,7 +72,8 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     run.resumed_at_step = start_step
     stage_steps = steps_lib.StageSteps(model.optimizer, done=resume.step)  # What every guarantee counts.
     users = user_view.Segments(user_view.without_backup_and_restore(callbacks or (), run.task), model,
-                               states=meta.get("callbacks"))
+                               states=meta.get("callbacks"), arrays=backup.read_arrays(resume.source, meta),
+                               task=run.task)
     worker_backup = backup.WorkerBackup(
         backup_dir, run=run_id, task=run.task, steps_per_epoch=steps, every_steps=options.backup_every_steps,
         history=[h for h in meta.get("history", []) if h["epoch"] * steps <= start_step],

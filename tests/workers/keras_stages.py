@@ -78,9 +78,9 @@ def main():
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     epochs = Epochs()
     results = {}
-    if args.early_stopping:  # Never better by 1e9: patience 2 stops it after epoch 3 of 6.
+    if args.early_stopping:  # Never better by 1e9: patience 2 stops it after epoch 3 of 6, on epoch 1's weights.
         model.compile(optimizer="adam", loss=loss, metrics=["accuracy"])
-        stop = keras.callbacks.EarlyStopping(monitor="loss", patience=2, min_delta=1e9)
+        stop = keras.callbacks.EarlyStopping(monitor="loss", patience=2, min_delta=1e9, restore_best_weights=True)
         history = model.fit(x, y, batch_size=BATCH, epochs=6, callbacks=[stop, epochs, *faults[0]], verbose=0)
         results["histories"] = [history.history]
     elif args.train_more:  # 8 steps an epoch, executions of 3, 3 and 2; the second fit from iteration 16.
