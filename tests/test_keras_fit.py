@@ -90,13 +90,19 @@ def test_a_dataset_without_a_length_needs_steps_and_a_bad_argument_is_one_line(t
         run.end()
 
 
-def test_a_bad_run_argument_exits_2_with_one_line(tmp_path):
-    script = f"import distrib_tf\nrun = distrib_tf.Run({str(tmp_path / 'run')!r}, on_nan='skip')\n"
+@pytest.mark.parametrize("above, arguments, said", [
+    ("", "on_nan='skip'", "Invalid value for argument `on_nan`. Received: on_nan='skip'. Expected one of stop, "
+     "rollback."),
+    # keras.io's image scripts load their data first (issue 50): the strategy is made too late.
+    ("import tensorflow as tf\ndata = tf.data.Dataset.range(8).batch(2)\n", "cpu_replicas=2",
+     "distrib_tf.Run(...) came after the script's first TensorFlow operation"),
+], ids=["bad_argument", "after_a_tf_data_pipeline"])
+def test_a_bad_run_argument_exits_2_with_one_line(tmp_path, above, arguments, said):
+    script = f"{above}import distrib_tf\nrun = distrib_tf.Run({str(tmp_path / 'run')!r}, {arguments})\n"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert [line for line in result.stderr.splitlines() if "error:" in line] == [
-        "python: error: Invalid value for argument `on_nan`. Received: on_nan='skip'. Expected one of stop, "
-        "rollback."], result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("python: error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"python: error: {said}"), result.stderr[-3000:]
     assert "Traceback" not in result.stderr
 
 
