@@ -182,6 +182,12 @@ class Segments(keras.callbacks.CallbackList):
         super().__init__(list(callbacks), add_history=False, add_progbar=False, model=model)
         self.first, self.last, self.states, self.arrays, self.task = True, False, states, arrays, task
 
+    def set_model(self, model):
+        """Once a model: each `fit` of the stage calls it, and a callback's `set_model` may
+        act once (`TensorBoard`'s takes its embeddings' metadata)."""
+        if model is not self.model:
+            super().set_model(model)
+
     def on_train_begin(self, logs=None):
         if self.first:
             self.first = False

@@ -105,8 +105,10 @@ def _source(data, argument: str, steps_per_epoch: int | None):
 
 
 def _arrays(structure, argument: str):
+    """The arrays of `structure`, its lists as tuples (as Keras's array adapter takes them: a
+    list of outputs' targets stays a structure, never one stacked array)."""
     try:
-        return tf.nest.map_structure(np.asarray, structure)
+        return tf.nest.map_structure(np.asarray, keras.tree.lists_to_tuples(structure))
     except (TypeError, ValueError):
         invalid(argument, type(structure).__name__, "an array, or a dict or tuple of arrays")
 
