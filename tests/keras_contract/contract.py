@@ -134,7 +134,7 @@ def main(argv=None) -> int:
                 print(f"make test-keras: {e}", file=sys.stderr)
                 return 2
     for variant, (results, minutes) in outcomes.items():
-        print(f"{variant:>15}: {counts(results)} ({minutes:.1f} min)")
+        print(f"{variant:>15}: {counts(results)}" + ("" if args.compare_only else f" ({minutes:.1f} min)"))
     unlisted, listed, stale, lines = [], [], [], [
         "| layout | test | error (with the run) | deepest distrib_tf frame | refused because |",
         "| --- | --- | --- | --- | --- |"]

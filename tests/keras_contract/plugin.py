@@ -7,7 +7,9 @@ environment variable `DISTRIB_TF_CONTRACT_VARIANT`:
 - `plain-mirrored`: Keras under `make_strategy("mirrored", cpu_replicas=2)` as the default
   strategy, no run (what Keras's own `fit` does on 2 replicas);
 - `run`: a live `distrib_tf.Run` on one device: every `model.fit` goes through `Run.fit`;
-- `run-mirrored`: the same with `strategy="mirrored", cpu_replicas=2`.
+- `run-mirrored`: the same with `strategy="mirrored", cpu_replicas=2`;
+- `plain-one-device`: Keras under `make_strategy("one_device")`, no run (not in `make
+  test-keras`: to tell a fault of the run from one of Keras under a strategy).
 
 The strategy and the run are made when pytest configures, before any test module runs a
 TensorFlow op. Keras's `TestCase.setUp` calls `clear_session()`, which resets TensorFlow's
@@ -27,7 +29,7 @@ import types
 
 import pytest
 
-VARIANTS = ("plain", "plain-mirrored", "run", "run-mirrored")
+VARIANTS = ("plain", "plain-mirrored", "run", "run-mirrored", "plain-one-device")
 _state = {"strategy": None, "run": None, "routed": 0, "results": {}}
 
 
@@ -64,7 +66,8 @@ def pytest_configure(config):
         run.fit = counted_fit  # `routing` calls the live run's `fit`: this instance's.
         _state["run"], _state["strategy"] = run, run.strategy
     else:
-        _state["strategy"] = distrib_tf.make_strategy("mirrored", cpu_replicas=2)
+        _state["strategy"] = (distrib_tf.make_strategy("mirrored", cpu_replicas=2) if mirrored
+                              else distrib_tf.make_strategy("one_device"))
         tf.distribute.experimental_set_strategy(_state["strategy"])
     from keras.src.testing import test_case  # pylint: disable=import-outside-toplevel
 
