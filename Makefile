@@ -45,8 +45,10 @@ test-compat: $(STAMP)
 # Keras's own tests of fit (its trainer, callbacks and models, from the installed Keras's sdist)
 # plainly and with a live distrib_tf.Run, on one device and on 2 replicas: fails on a test only
 # the run fails, unless tests/keras_contract/refusals.txt lists it (tests/keras_contract/contract.py).
+# KERAS_LAYOUTS=one runs the one-device pair only.
+KERAS_LAYOUTS ?= one,two
 test-keras: $(STAMP)
-	$(PY) tests/keras_contract/contract.py
+	$(PY) tests/keras_contract/contract.py --layouts=$(KERAS_LAYOUTS)
 
 # Ray Train on a two-node local Ray cluster (as root), in a venv of its own with the `ray` extra.
 $(STAMP_RAY): setup.cfg pyproject.toml
