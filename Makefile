@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VENV_RAY := .venv-ray
 STAMP_RAY := $(VENV_RAY)/.installed
 
-.PHONY: install docs train test test-fast test-compat test-ray test-engines soak bench bench-data bench-layout bench-scaling bench-sync bench-overhead bench-resize bench-backup lint clean
+.PHONY: install docs train test test-fast test-compat test-keras test-ray test-engines soak bench bench-data bench-layout bench-scaling bench-sync bench-overhead bench-resize bench-backup lint clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,14 @@ test-fast: $(STAMP)
 # in its own venv; multi-worker training tests on the oldest (scripts/test_compat.sh).
 test-compat: $(STAMP)
 	scripts/test_compat.sh -k "not killed_run"
+
+# Keras's own tests of fit (its trainer, callbacks and models, from the installed Keras's sdist)
+# plainly and with a live distrib_tf.Run, on one device and on 2 replicas: fails on a test only
+# the run fails, unless tests/keras_contract/refusals.txt lists it (tests/keras_contract/contract.py).
+# KERAS_LAYOUTS=one runs the one-device pair only.
+KERAS_LAYOUTS ?= one,two
+test-keras: $(STAMP)
+	$(PY) tests/keras_contract/contract.py --layouts=$(KERAS_LAYOUTS)
 
 # Ray Train on a two-node local Ray cluster (as root), in a venv of its own with the `ray` extra.
 $(STAMP_RAY): setup.cfg pyproject.toml
@@ -99,4 +107,4 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports --no-logo
 
 clean:
-	rm -rf $(VENV) .compat build *.egg-info
+	rm -rf $(VENV) .compat .keras-contract build *.egg-info
