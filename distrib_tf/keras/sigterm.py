@@ -297,6 +297,17 @@ def stop_watching() -> None:
         _set_once(_s.peers_key, NONE)
 
 
+def say(key: str) -> None:
+    """Before a barrier: names `key` `"sigterm"` if one came to this worker, else `NONE`."""
+    context.context().set_config_key_value(key, "sigterm" if _s.requested else NONE)
+
+
+def hear(keys) -> None:
+    """After that barrier (every `say` done): a SIGTERM any worker said is this one's too."""
+    if not _s.requested and any(context.context().get_config_key_value(k) == "sigterm" for k in keys):
+        _s.requested = True
+
+
 def told_peers(timeout: float = 5.0) -> None:
     """Waits (at most `timeout` s) until the peers were told of this worker's SIGTERM: before a
     preempted worker leaves at once, its key must be in the coordination service."""

@@ -190,12 +190,20 @@ def end_fit(run) -> None:
     backup.WRITER.wait()
     if _spans_processes(run.strategy):
         os.sync()  # What the callbacks wrote, on the disk before a peer reads it.
-        try:
+        _FITS_ENDED[0] += 1
+        said = f"distrib_tf/fit_end/{_FITS_ENDED[0]}"
+        tasks = list(dict.fromkeys(run.replica_tasks))
+        try:  # Each worker says whether a SIGTERM came (the peers' watch may deliver it late).
+            sigterm.say(f"{said}/{run.task}")
             phases.enter(run.strategy, "fit_end")
+            sigterm.hear([f"{said}/{task}" for task in tasks])
         except Exception:  # A peer gone: preempted (then so is this worker), or dead.
             sigterm.check(run.step)
             raise
     sigterm.settle(run.step)
+
+
+_FITS_ENDED = [0]
 
 
 def _exit_now(code: int) -> None:

@@ -17,8 +17,9 @@ What `fit` adds to Keras's own, on one device, several GPUs or several workers:
   at the step every worker agrees on, mid-epoch included, on the same batches
   (`distrib_tf.keras.backup`, `distrib_tf.data.examples`): the final weights are those
   of a run never interrupted, and so is what the user's objects hold;
-- SIGTERM during `fit` or the outputs: every worker backs up one agreed step and the run
-  exits 75; elsewhere in the script SIGTERM keeps its default meaning;
+- SIGTERM during `fit`, after it or in the outputs: every worker backs up one agreed step
+  and the run exits 75; before the first `fit` SIGTERM keeps its default meaning
+  (`distrib_tf.run.ending`, case by case);
 - a NaN or Inf stops every worker at one step, the culprit named (exit 65), or with
   `on_nan="rollback"` restores the last common backup and halves the learning rate (a
   `LearningRateSchedule` too);
