@@ -50,7 +50,7 @@ _LAZY = {
     "TrainConfig": "distrib_tf.train.config",
     "train_and_evaluate": "distrib_tf.train.job",
     "InvalidRun": "distrib_tf.run.ending",
-    "Preempted": "distrib_tf.keras.preemption",
+    "Preempted": "distrib_tf.keras.sigterm",
     "NonFiniteLoss": "distrib_tf.keras.nonfinite",
     "ResumeError": "distrib_tf.keras.resume",
     "Pruned": "distrib_tf.keras.pruning",

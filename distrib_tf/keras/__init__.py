@@ -5,6 +5,7 @@
 - `callbacks`: chief-only checkpoints, epoch timing;
 - `backup`: every worker's own backups: their files, the background writer, retention;
 - `resume`: the resume step every worker agrees on, and its state for a worker without it;
+- `sigterm`: what a SIGTERM does in each phase (record, leave with 75, its default meaning);
 - `preemption`: SIGTERM between any two batches, one agreed step, exit 75;
 - `nonfinite`: every worker stops at the same step on a NaN or Inf loss, the culprit named;
 - `progress`: throughput, ETA and the slowest worker;

@@ -21,6 +21,7 @@ from tensorflow.python.eager import context  # The coordination service's key-va
 from distrib_tf import exit_codes
 from distrib_tf import trial
 from distrib_tf.keras import preemption
+from distrib_tf.keras import sigterm
 
 DECISION_SECONDS = 120.0  # The longest the chief waits for the sweep's word on an epoch.
 
@@ -60,7 +61,7 @@ class PruneAtEpochEnd(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         key = f"distrib_tf/prune/{self._fit}/{epoch + 1}"
         if self.is_chief:
-            word = trial.decision(epoch + 1, timeout=self.timeout, stop_waiting=preemption.requested)
+            word = trial.decision(epoch + 1, timeout=self.timeout, stop_waiting=sigterm.requested)
             if self._several:
                 _set(key, word)
         else:

@@ -6,7 +6,8 @@
 - `stage`: one `fit` call, resumed at its agreed step (partial epoch, rollback), the
   guarantees' callbacks in their order;
 - `options`: `RunOptions`, checked at construction; `checks`: `fit`'s arguments, checked first;
-- `ending`: the exit codes a scheduler reads (2, 65, 75) and leaving together;
+- `ending`: how a run's process ends, case by case: the exit codes a scheduler reads (2, 65,
+  75), the end of each `fit`, leaving together;
 - `export`: `model.keras` and a SavedModel, loadable without distrib_tf;
 - `schedules`: a rollback's halved learning rate under a `LearningRateSchedule`.
 

@@ -17,8 +17,9 @@ What `fit` adds to Keras's own, on one device, several GPUs or several workers:
   at the step every worker agrees on, mid-epoch included, on the same batches
   (`distrib_tf.keras.backup`, `distrib_tf.data.examples`): the final weights are those
   of a run never interrupted, and so is what the user's objects hold;
-- SIGTERM during `fit` or the outputs: every worker backs up one agreed step and the run
-  exits 75; elsewhere in the script SIGTERM keeps its default meaning;
+- SIGTERM during `fit`, after it or in the outputs: every worker backs up one agreed step
+  and the run exits 75; before the first `fit` SIGTERM keeps its default meaning
+  (`distrib_tf.run.ending`, case by case);
 - a NaN or Inf stops every worker at one step, the culprit named (exit 65), or with
   `on_nan="rollback"` restores the last common backup and halves the learning rate (a
   `LearningRateSchedule` too);
@@ -57,7 +58,7 @@ from distrib_tf.keras import backup
 from distrib_tf.keras import local_sgd
 from distrib_tf.keras import nonfinite
 from distrib_tf.keras import phases
-from distrib_tf.keras import preemption
+from distrib_tf.keras import sigterm
 from distrib_tf.keras import step_logs
 from distrib_tf.run import checks
 from distrib_tf.run import ending
@@ -162,7 +163,7 @@ class Run:
         self.options = RunOptions(seed=seed, **options)
         self.model_dir = trial.model_dir(str(model_dir))  # A sweep's trial writes in its own directory.
         # Reclaimed from TensorFlow's once the strategy is made; outside fit and the outputs, its own meaning.
-        preemption.install_sigterm_handler(outside_phases="default")
+        sigterm.install(outside_phases="default")
         if routing.live() is not None:
             raise InvalidRun(f"distrib_tf.Run({str(model_dir)!r}) while {routing.live()!r} is live in this process. "
                              "Expected one Run at a time: end the first (`run.end()`, or leave its `with` block)")
@@ -177,12 +178,12 @@ class Run:
                              "pipeline, a tensor or a model made above it), and the strategy is configured when "
                              "TensorFlow starts. Expected its two lines (`import distrib_tf`, `run = "
                              "distrib_tf.Run(...)`) right after the script's imports") from e
-        preemption.reclaim_sigterm()
+        sigterm.reclaim()
         lifeline.die_with_parent()  # Started by a parent that asked (a Ray worker): SIGTERM when it dies.
-        preemption.watch_peers(self.strategy)  # One worker's SIGTERM, in any phase, is every worker's.
+        sigterm.watch_peers(self.strategy)  # One worker's SIGTERM, in any phase, is every worker's.
         keras.utils.set_random_seed(seed)
         self._describe_tasks()
-        preemption.set_task(self.task, leader=self.is_chief)
+        sigterm.set_task(self.task, leader=self.is_chief)
         self.backup_dir = os.path.join(self.model_dir, "backup", backup.task_dirname(self.task))
 
     def _describe_tasks(self):
@@ -264,7 +265,7 @@ class Run:
         Raises:
             InvalidRun: the model, the data or a number cannot run (exit code 2).
             resume.ResumeError: the workers' backups give no common step (exit code 2).
-            preemption.Preempted, nonfinite.NonFiniteLoss: see `distrib_tf.run.ending`.
+            sigterm.Preempted, nonfinite.NonFiniteLoss: see `distrib_tf.run.ending`.
         """
         if self.is_evaluator:
             raise InvalidRun(f"Run.fit on {self.task}. Expected a training task: an evaluator trains nothing.")
@@ -287,12 +288,14 @@ class Run:
         if options.sync == "step" and options.allreduce_dtype == "float32" and phases.is_multi_worker(self.strategy):
             step_logs.carry(model)  # One collective a step: the logs travel with the gradients.
         try:
-            with routing.plain_fit(), preemption.guarded():
-                return stage_lib.fit_stage(
+            with routing.plain_fit(), sigterm.guarded():
+                history = stage_lib.fit_stage(
                     self, model, train, validation_data, stage=stage, epochs=epochs, steps=steps, val_steps=val_steps,
                     global_batch_size=global_batch_size, validation_batch_size=validation_batch_size,
                     offset=initial_epoch * steps, shuffle=shuffle, callbacks=callbacks, verbose=verbose,
                     validation_freq=validation_freq)
+                ending.end_fit(self)  # Every worker's files written; a SIGTERM from now on: 75 at once.
+                return history
         finally:
             step_logs.release(model)  # The model is the user's again: its evaluate logs its metrics only.
             nonfinite.detach(model)
@@ -302,7 +305,7 @@ class Run:
     def outputs(self) -> contextlib.AbstractContextManager:
         """A context for the chief's outputs after `fit`: a SIGTERM inside exits 75 at once
         (every worker's backup holds the last step; a restart writes them again)."""
-        return preemption.saved(self.step)
+        return sigterm.saved(self.step)
 
     def save(self, model: keras.Model) -> str | None:
         """The chief writes `model.keras` and `serving/` under `model_dir`
@@ -338,9 +341,9 @@ class Run:
             try:
                 phases.enter(self.strategy, "outputs_written")
             except Exception:  # pylint: disable=broad-except  (the chief gone: preempted, or dead)
-                preemption.check(self.step)
+                sigterm.check(self.step)
                 raise
-        preemption.stop_watching()
+        sigterm.stop_watching()
         backup.WRITER.wait()  # (Every fit's end waited for its backups already.)
         for directory, run_id in reversed(self._stages):
             backup.retire_gone(directory, run=run_id, tasks=self.replica_tasks, below=2**62)  # Gone tasks' go.
@@ -348,6 +351,8 @@ class Run:
         final = self.summary.get("final") or {  # The last epoch's logs, where the script evaluated nothing.
             k: v for k, v in (self.summary.get("epochs") or [{}])[-1].items() if k != "epoch"}
         events.emit("finished", final=final, summary=path if self.is_chief else None)
+        if not self.exit_on_error:  # (Else `ending` does, once every worker left together.)
+            sigterm.settle(None)
 
     def __enter__(self):
         return self
@@ -357,13 +362,6 @@ class Run:
         if error is not None:  # The run ends here too: Keras's `fit` and the default strategy are the script's again.
             tf.distribute.experimental_set_strategy(None)
             routing.deactivate(self)
-        if error is None:
-            self.end()
-            if self._fitted and self.exit_on_error and phases.is_multi_worker(self.strategy):
-                ending.leave_together(self.strategy, self.is_chief)
-            return False
-        if self.exit_on_error and isinstance(error, Exception):
-            ending.exit_for(error, self.task, program=ending.program(), strategy=self.strategy,
-                            is_chief=self.is_chief)
+        ending.leave_block(self, error)
         return False
 

@@ -27,6 +27,7 @@ from distrib_tf.keras import progress
 from distrib_tf.keras import pruning
 from distrib_tf.keras import replica_state
 from distrib_tf.keras import resume as resume_lib
+from distrib_tf.keras import sigterm
 from distrib_tf.keras import steps as steps_lib
 from distrib_tf.keras import user_view
 from distrib_tf.run import export
@@ -43,9 +44,9 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     run.run_id = run_id
     backup_dir = run.backup_dir if not stage else os.path.join(  # The second fit's in backup/fit2/.
         run.model_dir, "backup", f"fit{stage + 1}", backup.task_dirname(run.task))
-    with preemption.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.
+    with sigterm.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.
         backup.make_private_dirs(run.model_dir, tighten=True)  # Every worker's: its backups live there.
-        grace = float(os.environ.get(preemption.GRACE_ENV) or 60)
+        grace = float(os.environ.get(sigterm.GRACE_ENV) or 60)
         run._held.append(resume_lib.hold(backup_dir, wait_seconds=2 * grace))  # A task's old process ends first.
         if run.fresh_start and (cleared := backup.clear_run(backup_dir, run=run_id)):
             print(f"{run.task} starts at step 0 (fresh_start): deleted the backups of steps {cleared} of "

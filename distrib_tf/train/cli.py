@@ -117,7 +117,7 @@ def _parse_flags(argv):
 
 
 def main(argv):
-    early_sigterm = []  # Until TensorFlow is imported; then `preemption` takes over.
+    early_sigterm = []  # Until TensorFlow is imported; then `sigterm` takes over.
     signal.signal(signal.SIGTERM, lambda signum, frame: early_sigterm.append(signum))
     lifeline.die_with_parent()  # Started by a Ray worker: SIGTERM (a backup, exit 75) when it dies.
     absl_logging.set_verbosity(absl_logging.WARNING)  # TensorFlow's INFO lines drown the progress.
@@ -134,23 +134,23 @@ def main(argv):
         _fail(str(e))
     # pylint: disable=import-outside-toplevel  (TensorFlow from here on)
     from distrib_tf.data import records
-    from distrib_tf.keras import preemption
+    from distrib_tf.keras import sigterm
     from distrib_tf.run import ending
     from distrib_tf.train import evaluator
     from distrib_tf.train.job import prepare_job
     from distrib_tf.train.job import run_job
 
-    # SIGTERM exits 75 from here on, in any phase (`distrib_tf.keras.preemption`).
-    preemption.install_sigterm_handler()
-    preemption.set_task(str(tf_config[1]) if tf_config else "chief:0")
+    # SIGTERM exits 75 from here on, in any phase (`distrib_tf.keras.sigterm`).
+    sigterm.install()
+    sigterm.set_task(str(tf_config[1]) if tf_config else "chief:0")
     if early_sigterm:
-        preemption.request()
+        sigterm.request()
     try:
-        with preemption.saved(None):
+        with sigterm.saved(None):
             job = prepare_job(config, FLAGS.model_dir or os.path.join("runs", config.model))
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
-    except preemption.Preempted as e:
+    except sigterm.Preempted as e:
         ending.exit_for(e, str(tf_config[1]) if tf_config else "chief:0", program="distrib-tf-train")
     if job.is_evaluator:  # It saves nothing: a SIGTERM ends it as usual.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

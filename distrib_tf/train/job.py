@@ -21,7 +21,7 @@ from distrib_tf import data
 from distrib_tf.keras import callbacks as callbacks_lib
 from distrib_tf.keras import local_sgd
 from distrib_tf.keras import nonfinite
-from distrib_tf.keras import preemption
+from distrib_tf.keras import sigterm
 from distrib_tf.models import build_model
 from distrib_tf.run import Run
 from distrib_tf.train import builders
@@ -164,7 +164,7 @@ def run_job(job: Job) -> dict:
             steps=job.validation_steps, model_dir=job.model_dir, last_epoch=config.epochs, run=config.run_id(),
             idle_seconds=config.evaluator_idle_seconds)
         return {"evaluator": results}
-    with preemption.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.
+    with sigterm.saved(None):  # Start-up: a SIGTERM leaves the backups as they were.
         keras.utils.set_random_seed(config.seed)  # The same initial weights whatever the data read.
         model = build_compiled_model(config, job.info, run.strategy)
     profile = [] if not config.profile_steps else [callbacks_lib.ProfileSteps(

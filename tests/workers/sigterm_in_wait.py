@@ -3,7 +3,7 @@ then fails: the way a barrier or a collective ends when a preempted peer leaves 
 
     TF_CONFIG=... python tests/workers/sigterm_in_wait.py
 
-Inside `preemption.saved(5)` (the state saved, as after training) each worker's main thread
+Inside `sigterm.saved(5)` (the state saved, as after training) each worker's main thread
 waits for a key that never comes (the coordination service's `get_config_key_value`, 1.5 s
 deadline); the SIGTERM comes 0.5 s into it, from a thread, as the scheduler's would. Exit 75
 with the preemption line is right; an exception that reaches this script (the handler's
@@ -20,16 +20,16 @@ import tensorflow as tf
 from tensorflow.python.eager import context
 
 from distrib_tf import make_strategy
-from distrib_tf.keras import preemption
+from distrib_tf.keras import sigterm
 
 strategy = make_strategy()
-preemption.install_sigterm_handler()
-preemption.reclaim_sigterm()
-preemption.watch_peers(strategy)
+sigterm.install()
+sigterm.reclaim()
+sigterm.watch_peers(strategy)
 resolver = strategy.cluster_resolver
 task = f"{resolver.task_type}:{resolver.task_id}"
-preemption.set_task(task, leader=task == "worker:0")
-with preemption.saved(5):
+sigterm.set_task(task, leader=task == "worker:0")
+with sigterm.saved(5):
     threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
     try:
         context.context().get_config_key_value("sigterm_in_wait/never", timeout_in_ms=1500)
