@@ -308,7 +308,8 @@ class WorkerBackup(keras.callbacks.Callback):
                 state["metrics"] = metric_sums(self.model)
         meta = {"run": self.run, "step": step, "epoch": step // self.steps_per_epoch, "task": self.task,
                 "history": list(self.history), "callbacks": user_view.callback_states(self.callbacks),
-                "stopped": bool(self.model.stop_training), "rollbacks": list(self.rollbacks)}
+                "stopped": bool(self.model.stop_training), "rollbacks": list(self.rollbacks),
+                **({} if self.layout is None else {"layout": list(self.layout)})}
         self.saved_step = step
         WRITER.submit(lambda: self._write(step, arrays, state, meta))
         if not self.asynchronous:
