@@ -172,7 +172,7 @@ def test_a_stage_preempted_resumes_at_its_step_and_the_script_ends_bit_identical
     assert f"chief:0 resumes at step {step} (epoch 2, step {step - (8 if stage == 0 else 6)} of it)" in text, (
         text[-3000:])
     if stage == 0:
-        assert "skips the first 11 batches of a tf.data.Dataset" in text, text[-3000:]
+        assert "replays a tf.data.Dataset to step 11" in text, text[-3000:]
     else:  # The head's stage came back finished, with its History, without training.
         assert resumed["histories"][0] == uninterrupted["histories"][0]
     assert resumed["weights"] == uninterrupted["weights"], (resumed, uninterrupted)

@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from distrib_tf.data import readers
 from distrib_tf.data import registry
+from distrib_tf.data import replay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,21 +93,33 @@ class Batches:
         name: for messages.
         skips: its resume reads and drops the batches before `start_step` (exact only when
             they come again alike); else it reads batch `i` by index.
+        batch_size_: the global batch, where known without reading a batch.
+        unreplayable: its draws that follow threads' order (`replay.unreplayable`).
     """
 
     batches: Callable
     steps_per_epoch_: int
     name: str
     skips: bool
+    batch_size_: int | None = None
+    unreplayable: tuple = ()
 
     def steps_per_epoch(self, global_batch_size: int) -> int:  # pylint: disable=unused-argument
         return self.steps_per_epoch_
 
+    def batch_size(self) -> int:
+        """The global batch: the dataset's own (read from its `batch` op where the shape does not
+        say), else the first batch's rows (reading it from an iterator of its own)."""
+        if self.batch_size_ is not None:
+            return self.batch_size_
+        return int(tf.nest.flatten(next(iter(self.batches(0, False))))[0].shape[0])
+
 
 def from_dataset(dataset: tf.data.Dataset, *, steps_per_epoch: int | None = None) -> Batches:
-    """A batched `tf.data.Dataset`, as Keras's `fit(dataset)` takes it. Its resume skips
-    batches of `dataset.repeat()`: exact when the dataset is deterministic (a seeded
-    shuffle is).
+    """A batched `tf.data.Dataset`, as Keras's `fit(dataset)` takes it. Its resume replays
+    `dataset.repeat()` from its start in a fresh process, dropping the batches before
+    `start_step`: exact when every iterator a run makes of it comes in the same order
+    (`distrib_tf.data.replay`) and its randomness is seeded.
 
     Raises:
         ValueError: its number of batches is unknown or infinite and `steps_per_epoch`
@@ -125,7 +138,8 @@ def from_dataset(dataset: tf.data.Dataset, *, steps_per_epoch: int | None = None
             return dataset.repeat().skip(start_step)
         return dataset.repeat().skip(start_step).take(steps_per_epoch - start_step % steps_per_epoch)  # Epoch's rest.
 
-    return Batches(batches, steps_per_epoch, "a tf.data.Dataset", skips=True)
+    return Batches(batches, steps_per_epoch, "a tf.data.Dataset", skips=True,
+                   batch_size_=replay.batch_size(dataset), unreplayable=tuple(replay.unreplayable(dataset)))
 
 
 def from_py_dataset(py_dataset: Any) -> Batches:

@@ -334,7 +334,8 @@ class WorkerBackup(keras.callbacks.Callback):
                 state["metrics"] = metric_sums(self.model)
         meta = {"run": self.run, "step": step, "epoch": step // self.steps_per_epoch, "task": self.task,
                 "history": list(self.history), "callbacks": user_view.callback_states(self.callbacks),
-                "stopped": bool(self.model.stop_training), "rollbacks": list(self.rollbacks)}
+                "stopped": bool(self.model.stop_training), "rollbacks": list(self.rollbacks),
+                **({} if self.layout is None else {"layout": list(self.layout)})}
         held = user_view.callback_arrays(self.callbacks)  # EarlyStopping's best weights, as they are now.
         if held:
             meta["callback_arrays"] = os.path.basename(_callbacks_path(self.directory, step))

@@ -5,8 +5,8 @@
   holds out the last fraction of the rows before any shuffling, as Keras does; `class_weight`
   becomes one weight per training example by Keras's own function (the validation rows
   stay unweighted, as in Keras);
-- a `tf.data.Dataset` (batched, as `fit` takes one): its own order, resumed by skipping
-  batches (`distrib_tf.data.from_dataset`);
+- a `tf.data.Dataset` (batched, as `fit` takes one): its own order, resumed by replaying it
+  (`distrib_tf.data.from_dataset`), through one iterator a stage (`OneIterator`);
 - a `keras.utils.PyDataset`: batch `i` read by index, so resumed at its step without
   reading the batches before it (`distrib_tf.data.from_py_dataset`);
 - distrib_tf's own sources (`from_arrays`, `from_source`, `from_images`, `load`,
@@ -23,6 +23,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
+from tensorflow.python.distribute import input_lib
 
 from distrib_tf.data import examples as examples_lib
 from distrib_tf.run.options import invalid
@@ -133,8 +134,33 @@ def batch_size_of(train, batch_size: int | None) -> int:
         return 32 if batch_size is None else batch_size
     if batch_size is not None:
         invalid("batch_size", batch_size, "None with a tf.data.Dataset, which is batched already (as Keras's fit)")
-    dataset = train.batches(0, False)
-    first = tf.nest.flatten(dataset.element_spec)[0].shape
-    if first.rank and first[0] is not None:
-        return int(first[0])
-    return int(tf.nest.flatten(next(iter(dataset)))[0].shape[0])
+    return train.batch_size()
+
+
+class OneIterator(input_lib.DistributedDataset):  # pylint: disable=abstract-method
+    """A distributed dataset whose every `iter()` is one and the same iterator: every `fit`
+    call of a stage (a resumed partial epoch, then the rest) reads on where the last one
+    stopped, as the uninterrupted run's single `fit` did. A second iterator of a user's
+    dataset would draw the next reshuffle seeds and read its `cache()` anew
+    (`distrib_tf.data.replay`)."""
+
+    def __init__(self, distributed):  # pylint: disable=super-init-not-called  (a view of `distributed`)
+        self._distributed, self._iterator = distributed, None
+
+    def __iter__(self):
+        if self._iterator is None:
+            self._iterator = iter(self._distributed)
+        return self._iterator
+
+    @property
+    def element_spec(self):
+        return self._distributed.element_spec
+
+    @property
+    def cardinality(self):
+        return self._distributed.cardinality
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_distributed", "_iterator"):
+            raise AttributeError(name)
+        return getattr(self._distributed, name)

@@ -31,6 +31,7 @@ from distrib_tf.keras import sigterm
 from distrib_tf.keras import steps as steps_lib
 from distrib_tf.keras import user_view
 from distrib_tf.run import export
+from distrib_tf.run import inputs
 from distrib_tf.run import schedules
 
 
@@ -67,9 +68,15 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
         else:
             print(f"{run.task} resumes at step {start_step} (epoch {start_step // steps + 1}, "
                   f"step {start_step % steps} of it) from {source}", flush=True)
-            if isinstance(train, examples_lib.DatasetFn) or getattr(train, "skips", False):
+            if isinstance(train, examples_lib.DatasetFn):
                 print(f"{run.task} skips the first {start_step} batches of {train.name}: the same batches as "
-                      "before only if it is deterministic (a seeded shuffle is)", flush=True)
+                      "before only if it is deterministic", flush=True)
+            elif getattr(train, "skips", False):
+                _say_replay(run, train, start_step, meta)
+    if getattr(train, "unreplayable", ()) and run.is_chief:
+        print(f"{run.task}: {train.name} draws in an order its threads decide ({', '.join(train.unreplayable)}): "
+              "a resumed or repeated run reads other values there (seed a stateless op, e.g. "
+              "tf.random.stateless_uniform, or map sequentially)", flush=True)
     run.resumed_at_step = start_step
     stage_steps = steps_lib.StageSteps(model.optimizer, done=resume.step)  # What every guarantee counts.
     users = user_view.Segments(user_view.without_backup_and_restore(callbacks or (), run.task), model,
@@ -127,14 +134,18 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     epochwise = (model.steps_per_execution or 1) > 1 and not isinstance(train, examples_lib.DatasetFn)
     keras_fit = super(keras.Model, model).fit  # Keras's own: not a model library's `fit`, which called this one.
     model.stop_training = bool(meta.get("stopped"))  # A callback ended the stage there (EarlyStopping).
+    held = None  # A tf.data.Dataset: one iterator for the stage (`inputs.OneIterator`).
     while step < last_step and not model.stop_training:
+        if held is None and getattr(train, "skips", False) and not epochwise:
+            held = inputs.OneIterator(run.distribute(train, global_batch_size=global_batch_size, start_step=step,
+                                                     one_pass=False))
         epoch, done = divmod(step, steps)
         until = epoch + 1 if done or epochwise else epochs  # A partial epoch alone, then the rest.
         users.last, progbar.skipped = until == epochs, done
         try:
             fitted = keras_fit(
-                run.distribute(train, global_batch_size=global_batch_size, start_step=step, shuffle=shuffle,
-                               one_pass=epochwise),
+                held or run.distribute(train, global_batch_size=global_batch_size, start_step=step, shuffle=shuffle,
+                                       one_pass=epochwise),
                 initial_epoch=epoch, epochs=until, steps_per_epoch=None if epochwise else steps - done,
                 validation_data=validation, validation_steps=val_steps, validation_freq=validation_freq,
                 callbacks=every_callback, verbose=verbose, shuffle=False,  # The pipeline shuffles.
@@ -152,6 +163,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
                 run.step = e.step
                 raise
             step = offset + roll_back(run, model, e)
+            held = None  # Replayed from the step rolled back to.
             rollbacks.append({"at_step": e.step, "to_step": step,
                               "learning_rate": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))})
             worker_backup.history = [h for h in worker_backup.history if h["epoch"] * steps <= step]
@@ -227,6 +239,18 @@ def roll_back(run, model, error) -> int:
           f"{float(keras.ops.convert_to_numpy(optimizer.learning_rate)):.3g}.", flush=True)
     return step
 
+
+
+def _say_replay(run, train, start_step: int, meta: dict) -> None:
+    """One line: a tf.data.Dataset is replayed to the step; and what a new layout changes."""
+    print(f"{run.task} replays {train.name} to step {start_step} (reading its {start_step} batches): the "
+          "uninterrupted run's batches when its randomness is seeded", flush=True)
+    layout = meta.get("layout")
+    if layout is not None and len(set(layout)) != len(set(run.replica_tasks)):
+        print(f"{run.task}: the backup is of {len(set(layout))} worker(s), this run has "
+              f"{len(set(run.replica_tasks))}: each worker's pipeline replays this layout's shard of "
+              f"{train.name}, so the batches from step {start_step} on are this layout's, not the "
+              "uninterrupted run's", flush=True)
 
 
 def _described(source: str | None, tasks) -> str:
