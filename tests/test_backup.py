@@ -12,6 +12,7 @@ import pytest
 
 from distrib_tf.keras import backup
 from distrib_tf.keras import resume
+from distrib_tf.keras import worker_backup
 
 
 class KilledWhileWriting(Exception):
@@ -25,7 +26,7 @@ def _model():
 
 
 def _callback(directory, model, every_steps=None):
-    callback = backup.WorkerBackup(str(directory), run="run-a", task="chief:0", steps_per_epoch=4,
+    callback = worker_backup.WorkerBackup(str(directory), run="run-a", task="chief:0", steps_per_epoch=4,
                                    every_steps=every_steps)
     callback.set_model(model)
     return callback
@@ -58,7 +59,7 @@ def test_killed_at_any_moment_of_a_backup_resumes_the_newest_whole_one(tmp_path,
     model.set_weights([w + 1 for w in first])
     callback.step = 8
     if moment == "copy":
-        monkeypatch.setattr(backup, "snapshot", lambda v: (_ for _ in ()).throw(KilledWhileWriting()))
+        monkeypatch.setattr(worker_backup, "snapshot", lambda v: (_ for _ in ()).throw(KilledWhileWriting()))
     else:
         write = backup.write_state
         fault = _torn if moment == "write" else _metadata_lost
@@ -149,7 +150,7 @@ def test_weights_damaged_after_a_crash_fall_back_to_the_backup_before(tmp_path, 
 
 
 def _save(directory, task, steps, run="run-a", model=None):
-    callback = backup.WorkerBackup(str(directory / backup.task_dirname(task)), run=run, task=task,
+    callback = worker_backup.WorkerBackup(str(directory / backup.task_dirname(task)), run=run, task=task,
                                    steps_per_epoch=10, every_steps=5)
     callback.set_model(model or _model())
     for step in steps:
@@ -231,7 +232,7 @@ def test_gone_tasks_backups_go_once_a_newer_step_is_backed_up_and_fresh_start_cl
         _save(tmp_path, task, [5, 10])
     _save(tmp_path, "worker:7", [20], run="run-b")
     two = ["worker:0", "worker:1"]
-    callback = backup.WorkerBackup(str(tmp_path / "worker-0"), run="run-a", task="worker:0", steps_per_epoch=10,
+    callback = worker_backup.WorkerBackup(str(tmp_path / "worker-0"), run="run-a", task="worker:0", steps_per_epoch=10,
                                    layout=two)
     callback.set_model(_model())
     callback.step = 10

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import distrib_tf
 from cluster_runner import finished_backups
-from distrib_tf.keras import backup as backup_lib
+from distrib_tf.keras import worker_backup
 from distrib_tf.run import InvalidRun
 from distrib_tf.run import schedules
 
@@ -145,7 +145,7 @@ def test_backups_of_the_run_are_resumed_unless_a_fresh_start_is_asked_for(tmp_pa
 
     first = distrib_tf.Run(tmp_path / "run", run_id="mine", exit_on_error=False)
     model = model_of(first)
-    keep = backup_lib.WorkerBackup(first.backup_dir, run="mine", task="chief:0", steps_per_epoch=4)
+    keep = worker_backup.WorkerBackup(first.backup_dir, run="mine", task="chief:0", steps_per_epoch=4)
     keep.set_model(model)
     model.optimizer.build(model.trainable_variables)
     model.optimizer.iterations.assign(6)

@@ -1,4 +1,5 @@
-"""Backups that every worker keeps on its own disk, and one resume point agreed by all.
+"""The files of the backups that every worker keeps on its own disk: their format, their
+writer in the background and what is kept.
 
 Hosts need not share a disk. Every worker (the chief too) writes its own backups into
 its own directory, `model_dir/backup/<task>/` on its own host:
@@ -24,7 +25,8 @@ so every worker advertises only backups that will load. The last `keep` backups 
 kept. Saving runs no collectives, so each worker saves alone.
 
 Which backup a start resumes, and how a worker without it receives it, is
-`distrib_tf.keras.resume`'s: this module reads and writes one worker's files.
+`distrib_tf.keras.resume`'s; when a backup is taken during training,
+`distrib_tf.keras.worker_backup`'s: this module reads and writes one worker's files.
 
 What is kept where: each task writes only its own directory, keeping its last 2 backups.
 The backups of tasks a layout no longer has are read, never written; a worker deletes
@@ -34,9 +36,8 @@ each task keeps its last backup, marked finished (`finish`).
 
 Example:
 
-    >>> callback = WorkerBackup("/tmp/run/backup/worker-0", run="3fa2c1", task="worker:0",
-    ...                         steps_per_epoch=100, every_steps=50)
-    >>> [b["step"] for b in list_backups("/tmp/run/backup/worker-0")]
+    >>> [b["step"] for b in list_backups("/tmp/run/backup/worker-0")]  # Written by `WorkerBackup`.
+    [100, 150]
 """
 
 import atexit
@@ -50,13 +51,7 @@ import tempfile
 import threading
 import time
 
-import keras
 import numpy as np
-import tensorflow as tf
-
-from distrib_tf import events
-from distrib_tf.keras import steps as steps_lib
-from distrib_tf.keras import user_view
 
 _NAME = re.compile(r"step-(\d+)\.json$")
 
@@ -68,7 +63,7 @@ def task_dirname(task: str) -> str:
 
 def list_backups(directory: str) -> list[dict]:
     """The complete, intact backups in `directory`, oldest first (their metadata)."""
-    found = [m for m in _metadata(directory) if _intact(data_path(directory, m), m)]
+    found = [m for m in metadata_of(directory) if _intact(data_path(directory, m), m)]
     return sorted(found, key=lambda m: m["step"])
 
 
@@ -122,20 +117,20 @@ def _weights_path(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:09d}.weights.h5")
 
 
-def _state_path(directory: str, step: int) -> str:
+def state_path(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:09d}.state")
 
 
 def data_path(directory: str, meta: dict) -> str:
     """The file that holds a backup's variables, by its metadata's format."""
-    return (_state_path if "variables" in meta else _weights_path)(directory, meta["step"])
+    return (state_path if "variables" in meta else _weights_path)(directory, meta["step"])
 
 
-def _meta_path(directory: str, step: int) -> str:
+def meta_path(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:09d}.json")
 
 
-def _callbacks_path(directory: str, step: int) -> str:
+def callbacks_path(directory: str, step: int) -> str:
     """The user's callbacks' arrays at a step (`user_view.callback_arrays`), when any."""
     return os.path.join(directory, f"step-{step:09d}.callbacks.npz")
 
@@ -218,14 +213,6 @@ def describe_variables(variables) -> list:
     return [[v.path, np.dtype(v.dtype).name, list(v.shape)] for v in variables]
 
 
-def snapshot(variables) -> list:
-    """The variables' values now, as tensors, without copying them: TensorFlow copies a
-    variable's buffer when it is next updated while a tensor still refers to it, so the
-    tensors keep this step's values. A step waits about a millisecond, whatever the
-    model's size (measured: 1.3 ms for 400 MB; a copy into numpy took 0.1 to 0.7 s)."""
-    return [tf.convert_to_tensor(v.value) for v in variables]
-
-
 def write_state(path: str, values) -> dict:
     """Writes the bytes of `values` (arrays or tensors) one after the other to `path` through a
     temporary name, synced, then renamed; returns the size and SHA-256 (taken from the bytes
@@ -241,153 +228,6 @@ def write_state(path: str, values) -> dict:
         os.fsync(f.fileno())
     os.replace(writing, path)
     return {"bytes": size, "sha256": digest.hexdigest()}
-
-
-class WorkerBackup(keras.callbacks.Callback):
-    """Saves this worker's training state into its own `directory`.
-
-    Every worker runs it (unlike Keras's `BackupAndRestore`, which only the chief may
-    write under `distrib_tf`): at every epoch end and, with `every_steps`, every
-    `every_steps` global steps. The step waits while the state is taken (`snapshot`);
-    the files are written in the background (`WRITER`), the next backup waiting for the
-    one before to be on the disk (at most one state held in memory besides the model's). `flush()` waits
-    for it; `fit`'s end, a preemption and a rollback do.
-
-    Args:
-        directory: this worker's own backup directory (on its own disk).
-        run: identifies the run; a backup of another run is never restored.
-        task: this worker's name, for the metadata (e.g. `"worker:1"`).
-        every_steps: also back up every this many global steps; `None`: epochs only.
-        keep: how many backups to keep (at least 2, so that the workers always share
-            one while a save is in progress on some of them).
-        steps_per_epoch: global steps per epoch, to record the epoch of a step.
-        history: the user's logs of the epochs already finished (`{"epoch": 1, "loss": ...}`),
-            to which each epoch's end adds its own.
-        layout: the layout's training tasks: once a step is backed up, the older backups
-            beside it of tasks not in it are deleted (`retire_gone`). `None`: none are.
-        rollbacks: the rollbacks so far (`{"at_step", "to_step", "learning_rate"}`), kept in
-            every backup: a restart goes on with the learning rate and the count they left.
-        asynchronous: write in the background (default); False: each save waits for its files.
-        steps: the stage's step counter (`distrib_tf.keras.steps`); default: the optimizer's.
-    """
-
-    def __init__(self, directory: str, *, run: str, task: str, steps_per_epoch: int,
-                 every_steps: int | None = None, keep: int = 2, history: list | None = None,
-                 callbacks=(), epoch_metrics: list | None = None, layout=None, rollbacks: list | None = None,
-                 asynchronous: bool = True, steps: steps_lib.StageSteps | None = None):
-        super().__init__()
-        self.directory, self.run, self.task = directory, run, task
-        self.steps_per_epoch, self.every_steps, self.keep = steps_per_epoch, every_steps, max(keep, 2)
-        self.steps = steps or steps_lib.StageSteps()
-        self.step = 0  # The stage's global steps finished (`self.steps`).
-        self.saved_step = None
-        self.history = list(history or [])
-        self.callbacks = list(callbacks)  # The user's: their states go into every backup.
-        self._weights: dict = {}  # What the metadata says of the step's weights, once written.
-        self.epoch_metrics = epoch_metrics  # The resumed epoch's metric sums so far, restored at its start.
-        self.layout, self.retired_below = (None if layout is None else tuple(layout)), -1
-        self.rollbacks = list(rollbacks or [])
-        self.asynchronous = asynchronous
-        self.blocked_seconds: list[float] = []  # What each save cost the step that made it.
-
-    def on_train_begin(self, logs=None):
-        self.step = self.steps(self.model)
-        if self.step == 0:
-            self.save()  # The starting point, for a rollback before the first backup.
-
-    def on_train_batch_end(self, batch, logs=None):
-        before, self.step = self.step, self.steps(self.model)  # Once an execution: maybe several steps.
-        if self.every_steps and steps_lib.crossed(before, self.step, self.every_steps):
-            self.save()
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if self.epoch_metrics is not None:  # After Keras's reset: the epoch goes on from them.
-            set_metric_sums(self.model, self.epoch_metrics)
-            self.epoch_metrics = None
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.history = [h for h in self.history if h["epoch"] <= epoch]
-        self.history.append({"epoch": epoch + 1, **user_view.users_logs(logs)})
-        self.save()
-
-    def on_train_end(self, logs=None):
-        self.flush()
-
-    def flush(self) -> None:
-        """Waits until every backup asked for is on the disk."""
-        WRITER.wait()
-
-    def save(self):
-        """Backs up the current step: its state copied now, its files written in the
-        background (weights first, metadata last). A step already saved (at a batch's end,
-        then its epoch's) gets its metadata written again: the epoch's logs and the
-        callbacks' states came since."""
-        started = time.perf_counter()
-        WRITER.wait()  # The backup before is whole on the disk: one state held at most.
-        step, arrays = self.step, None
-        state = {}
-        if self.saved_step != step:
-            variables = state_variables(self.model)
-            arrays = snapshot(variables)
-            state["variables"] = describe_variables(variables)
-            if step % self.steps_per_epoch:  # Inside an epoch: the sums its History value needs.
-                state["metrics"] = metric_sums(self.model)
-        meta = {"run": self.run, "step": step, "epoch": step // self.steps_per_epoch, "task": self.task,
-                "history": list(self.history), "callbacks": user_view.callback_states(self.callbacks),
-                "stopped": bool(self.model.stop_training), "rollbacks": list(self.rollbacks),
-                **({} if self.layout is None else {"layout": list(self.layout)})}
-        held = user_view.callback_arrays(self.callbacks)  # EarlyStopping's best weights, as they are now.
-        if held:
-            meta["callback_arrays"] = os.path.basename(_callbacks_path(self.directory, step))
-        self.saved_step = step
-        WRITER.submit(lambda: self._write(step, arrays, state, meta, held))
-        if not self.asynchronous:
-            WRITER.wait()
-        self.blocked_seconds.append(time.perf_counter() - started)
-
-    def _write(self, step: int, arrays, state: dict, meta: dict, held: dict) -> None:
-        """In the background: the variables (unless `arrays` is None: written already) and the
-        callbacks' arrays, then the metadata, which makes the backup count; then the older
-        backups go."""
-        if arrays is not None:
-            make_private_dirs(self.directory)
-            self._weights = {**write_state(_state_path(self.directory, step), arrays), **state}
-        if held:
-            write_arrays(_callbacks_path(self.directory, step), held)
-        meta_path = _meta_path(self.directory, step)
-        with open(meta_path + ".writing", "w", encoding="utf-8") as f:
-            json.dump({**meta, **self._weights}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync(self.directory)  # The weights' rename is on the disk before the metadata's.
-        os.replace(meta_path + ".writing", meta_path)
-        fsync(self.directory)
-        events.emit("backup", step=step)
-        for old in sorted(_metadata(self.directory), key=lambda m: m["step"])[: -self.keep]:
-            _remove(self.directory, old["step"])  # (By their metadata: reading their weights back costs.)
-        if self.layout is not None and step > self.retired_below:  # Older states of gone tasks.
-            retire_gone(self.directory, run=self.run, tasks=self.layout, below=step)
-            self.retired_below = step
-
-
-def metric_sums(model) -> list:
-    """This worker's own share of every compiled metric's state (its replicas' parts of each
-    on-read variable, as they are: no collective), for the epoch's History value."""
-    strategy = model.distribute_strategy
-    return [[np.asarray(part.numpy()).tolist() for part in strategy.experimental_local_results(v.value)]
-            for v in model.metrics_variables]
-
-
-def set_metric_sums(model, sums: list) -> None:
-    """Restores `metric_sums` on the layout it was taken on (elsewhere the resumed epoch's
-    value covers the steps after the resume only)."""
-    strategy, variables = model.distribute_strategy, model.metrics_variables
-    parts = [strategy.experimental_local_results(v.value) for v in variables]
-    if len(sums) != len(parts) or any(len(a) != len(b) for a, b in zip(sums, parts)):
-        return
-    for saved, local in zip(sums, parts):
-        for value, part in zip(saved, local):
-            part.assign(np.asarray(value, dtype=part.dtype.as_numpy_dtype).reshape(part.shape))
 
 
 def write_json_atomically(path: str, content: dict) -> None:
@@ -423,9 +263,9 @@ def finish(directory: str) -> None:
     returns at once, with its History); another script's run starts over (`retire_finished`)."""
     held = list_backups(directory)
     for old in held[:-1]:
-        _remove(directory, old["step"])
+        remove_step(directory, old["step"])
     if held and not held[-1].get("finished"):
-        write_json_atomically(_meta_path(directory, held[-1]["step"]), {**held[-1], "finished": True})
+        write_json_atomically(meta_path(directory, held[-1]["step"]), {**held[-1], "finished": True})
 
 
 def retire_finished(directory: str, *, run: str) -> list[int]:
@@ -446,7 +286,7 @@ def readable(directory: str, *, run: str):
     candidates = []
     parent = os.path.dirname(directory)
     for rank, folder in enumerate([directory, *sorted(set(_siblings(parent)) - {directory})]):
-        candidates += [(-meta["step"], rank, folder, meta) for meta in _metadata(folder) if meta.get("run") == run]
+        candidates += [(-meta["step"], rank, folder, meta) for meta in metadata_of(folder) if meta.get("run") == run]
     for _, _, folder, meta in sorted(candidates, key=lambda c: c[:2]):
         if _intact(data_path(folder, meta), meta):
             yield folder, meta
@@ -454,14 +294,14 @@ def readable(directory: str, *, run: str):
 
 def other_runs(directory: str, *, run: str) -> list[dict]:
     """The metadata of the backups in `directory` of a run other than `run`, unchecked."""
-    return [meta for meta in _metadata(directory) if meta.get("run") != run]
+    return [meta for meta in metadata_of(directory) if meta.get("run") != run]
 
 
 def _siblings(parent: str) -> list[str]:
     return [p for p in glob.glob(os.path.join(glob.escape(parent), "*")) if os.path.isdir(p)]
 
 
-def _metadata(directory: str) -> list[dict]:
+def metadata_of(directory: str) -> list[dict]:
     """Every backup's metadata in `directory`, unchecked."""
     found = []
     for path in glob.glob(os.path.join(glob.escape(directory), "step-*.json")):
@@ -484,9 +324,9 @@ def retire_gone(directory: str, *, run: str, tasks, below: int) -> None:
     for other in _siblings(os.path.dirname(directory)):
         if os.path.basename(other) in present:
             continue
-        for meta in _metadata(other):
+        for meta in metadata_of(other):
             if meta.get("run") == run and meta["step"] < below:
-                _remove(other, meta["step"])
+                remove_step(other, meta["step"])
         try:
             os.rmdir(other)
         except OSError:  # Not empty (another run's backups), or gone.
@@ -499,18 +339,18 @@ def clear_run(directory: str, *, run: str) -> list[int]:
     steps deleted."""
     steps = []
     for folder in {directory, *_siblings(os.path.dirname(directory))}:
-        for meta in _metadata(folder):
+        for meta in metadata_of(folder):
             if folder == directory or meta.get("run") == run:
-                _remove(folder, meta["step"])
+                remove_step(folder, meta["step"])
                 steps.append(meta["step"])
     return sorted(set(steps))
 
 
-def _remove(directory: str, step: int) -> None:
+def remove_step(directory: str, step: int) -> None:
     """Deletes one backup, its metadata first (without it the weights are no backup). A file
     another worker deleted first (a shared disk) is gone, as asked."""
-    for path in (_meta_path(directory, step), _state_path(directory, step), _weights_path(directory, step),
-                 _callbacks_path(directory, step)):
+    for path in (meta_path(directory, step), state_path(directory, step), _weights_path(directory, step),
+                 callbacks_path(directory, step)):
         try:
             os.remove(path)
         except FileNotFoundError:

@@ -1,6 +1,6 @@
 """The callbacks of the main job: checkpoints, TensorBoard, timing, progress.
 
-Every worker backs up its own state (`distrib_tf.keras.backup.WorkerBackup`); only the chief
+Every worker backs up its own state (`distrib_tf.keras.worker_backup.WorkerBackup`); only the chief
 writes what a user reads (`checkpoints/`, `logs/`). Keras's own `ModelCheckpoint`,
 `BackupAndRestore` and `TensorBoard` are made chief-aware by `distrib_tf.keras.compat`,
 so a user's own callbacks get the same behaviour.

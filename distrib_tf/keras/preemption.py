@@ -54,7 +54,7 @@ class SaveOnPreemption(keras.callbacks.Callback):
     way. In one process the flag alone decides.
 
     Args:
-        worker_backup: the `distrib_tf.keras.backup.WorkerBackup` of this worker, which
+        worker_backup: the `distrib_tf.keras.worker_backup.WorkerBackup` of this worker, which
             must come before this callback in `fit`'s list (it counts the steps).
         ack_timeout: seconds to wait for the other workers to read the step; by default a
             quarter of the seconds between SIGTERM and SIGKILL that the launcher gives its

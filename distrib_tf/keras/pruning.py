@@ -2,7 +2,7 @@
 
 In a trial whose sweep prunes (`distrib_tf.trial.prunes()`), `PruneAtEpochEnd` runs at
 every epoch's end, after the epoch's `epoch` event went out (`distrib_tf.keras.progress`)
-and its backup was taken (`distrib_tf.keras.backup.WorkerBackup`). The chief waits for
+and its backup was taken (`distrib_tf.keras.worker_backup.WorkerBackup`). The chief waits for
 the sweep's word on that epoch (`distrib_tf.trial.decision`, which the sweep writes once
 it has reported the epoch's metric to its Optuna pruner) and names it in the coordination
 service's key-value store; every other worker reads it there. On `prune`, each waits for

@@ -185,7 +185,7 @@ class Segments(keras.callbacks.CallbackList):
     def set_model(self, model):
         """Once a model: each `fit` of the stage calls it, and a callback's `set_model` may
         act once (`TensorBoard`'s takes its embeddings' metadata)."""
-        if model is not self.model:
+        if model is not getattr(self, "_model", None):
             super().set_model(model)
 
     def on_train_begin(self, logs=None):

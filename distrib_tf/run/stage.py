@@ -30,6 +30,7 @@ from distrib_tf.keras import resume as resume_lib
 from distrib_tf.keras import sigterm
 from distrib_tf.keras import steps as steps_lib
 from distrib_tf.keras import user_view
+from distrib_tf.keras import worker_backup as worker_backup_lib
 from distrib_tf.run import export
 from distrib_tf.run import inputs
 from distrib_tf.run import schedules
@@ -82,7 +83,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     users = user_view.Segments(user_view.without_backup_and_restore(callbacks or (), run.task), model,
                                states=meta.get("callbacks"), arrays=backup.read_arrays(resume.source, meta),
                                task=run.task)
-    worker_backup = backup.WorkerBackup(
+    worker_backup = worker_backup_lib.WorkerBackup(
         backup_dir, run=run_id, task=run.task, steps_per_epoch=steps, every_steps=options.backup_every_steps,
         history=[h for h in meta.get("history", []) if h["epoch"] * steps <= start_step],
         callbacks=users.callbacks, layout=run.replica_tasks, rollbacks=rollbacks,
