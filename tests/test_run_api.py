@@ -151,6 +151,7 @@ def test_backups_of_the_run_are_resumed_unless_a_fresh_start_is_asked_for(tmp_pa
     model.optimizer.iterations.assign(6)
     keep.step = 6
     keep.save()
+    keep.flush()  # Written in the background: on the disk before the run looks (a loaded machine is slow).
     first.end()  # One Run at a time in a process.
     run = distrib_tf.Run(tmp_path / "run", run_id="mine", fresh_start=fresh_start, exit_on_error=False)
     run.fit(model_of(run), distrib_tf.data.from_arrays(x, y), epochs=2, global_batch_size=8, verbose=0)

@@ -188,11 +188,14 @@ class StopOnNonFinite(keras.callbacks.Callback):
         workers: the task of every replica, in replica order (`["worker:0", ...]`).
         steps_per_epoch: global steps per epoch, to name the epoch.
         steps: the stage's step counter (`distrib_tf.keras.steps`); default: the optimizer's.
+        defer: a non-finite loss is left to the user's `keras.callbacks.TerminateOnNaN` (which
+            stops or raises as in Keras); non-finite weights under a finite loss still stop here.
     """
 
-    def __init__(self, *, workers: list[str], steps_per_epoch: int, steps: steps_lib.StageSteps | None = None):
+    def __init__(self, *, workers: list[str], steps_per_epoch: int, steps: steps_lib.StageSteps | None = None,
+                 defer: bool = False):
         super().__init__()
-        self.workers, self.steps_per_epoch = workers, steps_per_epoch
+        self.workers, self.steps_per_epoch, self.defer = workers, steps_per_epoch, defer
         self.steps = steps or steps_lib.StageSteps()
         self.step = 0
 
@@ -213,8 +216,9 @@ class StopOnNonFinite(keras.callbacks.Callback):
             flagged = any(float(v) != 0.0 for k, v in logs.items() if k.endswith(METRIC))
         else:
             flagged = not bool(self._weights_finite())
-        if math.isfinite(float(logs.get("loss", 0.0))) and not flagged:
-            return
+        finite_loss = math.isfinite(float(logs.get("loss", 0.0)))
+        if (finite_loss and not flagged) or (self.defer and not finite_loss):
+            return  # (Deferring: the user's `TerminateOnNaN` acts on the loss, as in Keras, on every worker alike.)
         culprits, where = [], "predictions"
         if self._metric is not None:  # Every worker is here at this step: one all-gather.
             strategy = self.model.distribute_strategy

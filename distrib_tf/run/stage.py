@@ -108,7 +108,8 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     ours = [
         timer, *periodic,
         nonfinite.StopOnNonFinite(workers=list(run.replica_tasks), steps_per_epoch=steps,  # Before any other.
-                                  steps=stage_steps),
+                                  steps=stage_steps, defer=options.on_nan == "stop" and any(
+                                      isinstance(c, keras.callbacks.TerminateOnNaN) for c in callbacks or ())),
         *([] if periodic else [replica_state.AverageReplicaState()]),  # Moving statistics: one value, each step.
         progress.Progress(task=run.task, workers=list(run.replica_tasks), epochs=epochs,
                           steps_per_epoch=steps, global_batch_size=global_batch_size),
