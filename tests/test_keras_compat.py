@@ -133,7 +133,7 @@ def test_killed_run_resumes_from_backup(tmp_path, two_workers):
 # chief made it) or, when it exists, h5py opens the file for writing.
 READ_ONLY_WRITE = (r"Error: \[Errno (30\] Read-only file system|17\] File exists): '\S*/shared/{0}'|"
                    r"name = '\S*/shared/{0}/[^']*', errno = 30, error message = 'Read-only file system'")
-# The chief's coordination service on worker:1's death, in TensorFlow 2.20's and 2.21's words, then 2.18's and 2.19's.
+# The chief's coordination service on worker:1's death, in TensorFlow 2.19's to 2.21's words, then 2.18's.
 DEAD_PEER = (r"The following tasks are unhealthy \(stopped sending heartbeats\):\n/job:worker/replica:0/task:1"
              r"|Task /job:worker/replica:0/task:1 heartbeat timeout\. This indicates that the remote task has failed")
 
