@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VENV_RAY := .venv-ray
 STAMP_RAY := $(VENV_RAY)/.installed
 
-.PHONY: install docs train test test-fast test-compat test-keras test-ray test-engines soak bench bench-data bench-layout bench-scaling bench-sync bench-overhead bench-resize bench-backup lint clean
+.PHONY: install docs train test test-fast test-compat test-keras test-tf test-ray test-engines soak bench bench-data bench-layout bench-scaling bench-sync bench-overhead bench-resize bench-backup lint clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,12 @@ test-compat: $(STAMP)
 KERAS_LAYOUTS ?= one,two
 test-keras: $(STAMP)
 	$(PY) tests/keras_contract/contract.py --layouts=$(KERAS_LAYOUTS)
+
+# Each TensorFlow minor that setup.cfg declares (but .venv's own, which make test runs), in a venv
+# of its own under .tf/: the Keras fixes, a keras.io example preempted and resumed on 2 workers,
+# and make train's command through the launcher (scripts/test_tf.sh).
+test-tf: $(STAMP)
+	scripts/test_tf.sh
 
 # Ray Train on a two-node local Ray cluster (as root), in a venv of its own with the `ray` extra.
 $(STAMP_RAY): setup.cfg pyproject.toml
@@ -107,4 +113,4 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports --no-logo
 
 clean:
-	rm -rf $(VENV) .compat .keras-contract build *.egg-info
+	rm -rf $(VENV) .compat .keras-contract .tf build *.egg-info

@@ -19,6 +19,7 @@ from distrib_tf.cluster import Task
 from distrib_tf.cluster import load_tf_config
 from distrib_tf.cluster import speaks as _speaks
 from distrib_tf.trial import params
+from distrib_tf.versions import warn_if_untested as _warn_if_untested
 
 __version__ = "0.1.0"
 
@@ -58,6 +59,8 @@ _LAZY = {
 
 # A library leaves handlers to the application; the CLIs call `log_to_stderr()`.
 _logging.getLogger("distrib_tf").addHandler(_logging.NullHandler())
+# One warning outside the TensorFlow versions tested (distrib_tf.versions); TensorFlow is not imported.
+_warn_if_untested()
 
 
 def log_to_stderr(level: int | None = None) -> None:

@@ -57,6 +57,24 @@ def test_quiet_drops_only_tensorflows_info_warning_and_cuinit_lines():
     assert not is_quieted("Epoch 1/3")
 
 
+# Issue 54: TensorFlow 2.18.1's and 2.19.1's lines at import, as they wrote them here (2.20 and 2.21 write none).
+CUDA_FACTORY_LINES = [
+    "2026-12-04 19:18:02.133242: E external/local_xla/xla/stream_executor/cuda/cuda_fft.cc:477] Unable to register "
+    "cuFFT factory: Attempting to register factory for plugin cuFFT when one has already been registered",
+    "E0000 00:00:1796411882.154882   20392 cuda_dnn.cc:8310] Unable to register cuDNN factory: Attempting to "
+    "register factory for plugin cuDNN when one has already been registered",
+    "E0000 00:00:1796411882.158717   20392 cuda_blas.cc:1418] Unable to register cuBLAS factory: Attempting to "
+    "register factory for plugin cuBLAS when one has already been registered",
+]
+
+
+@pytest.mark.parametrize("line", CUDA_FACTORY_LINES)
+def test_quiet_drops_tensorflows_cuda_factory_lines_at_import(line):
+    assert is_quieted(line)
+    assert not is_quieted(line.replace("Unable to register", "Unable to load"))  # Only that error.
+    assert not is_quieted(line.replace("when one has already been registered", "that failed"))
+
+
 class _Terminal(io.StringIO):
     def isatty(self):
         return True

@@ -1,6 +1,7 @@
 """Narrow fixes that make Keras 3 `fit`/`evaluate`/`predict` work with several replicas.
 
-Keras 3 (tested: `TESTED_KERAS`) on TensorFlow breaks under
+Keras 3 (tested: `TESTED_KERAS`, on TensorFlow 2.18 to 2.21: `distrib_tf.versions`; no
+fix needs a gate by TensorFlow version there) on TensorFlow breaks under
 `MultiWorkerMirroredStrategy` in ways tf_keras did not (keras-team/keras#20585):
 
 1. `_maybe_symbolic_build` takes the first batch from the training iterator and

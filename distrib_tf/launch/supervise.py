@@ -33,16 +33,23 @@ MAX_PORT_RETRIES = 3  # Fresh ports after a port race, not counted as restarts.
 # Unless --verbose: TensorFlow's C++ logs at errors only. TensorFlow writes a few INFO
 # lines before its logging reads the level (`port.cc`, `cudart_stub.cc`), absl then says
 # so, and a machine without a GPU driver logs the error `failed call to cuInit` though
-# nothing failed: the launcher drops those lines itself.
+# nothing failed: the launcher drops those lines itself. So are TensorFlow 2.18's and 2.19's
+# three errors at import, one per CUDA library whose factory XLA registers twice (on any
+# machine, GPU or not; 2.20 and 2.21 no longer log them): the first in TSL's own format.
 QUIET_LOG_LEVEL = "2"
 _GLOG_INFO_OR_WARNING = re.compile(r"^[IW]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\] ")
 _QUIET_DROPPED = ("] failed call to cuInit: ",
                   "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR")
+_CUDA_FACTORY_REGISTERED_TWICE = re.compile(
+    r"^(?:E\d{4} \d\d:\d\d:\d+\.\d+ +\d+ |\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: E )\S+:\d+\] "
+    r"Unable to register (cuFFT|cuDNN|cuBLAS) factory: Attempting to register factory for plugin \1 when one "
+    r"has already been registered$")
 
 
 def is_quieted(line: str) -> bool:
     """Whether the launcher drops `line` of a task's output unless --verbose. Pure."""
-    return bool(_GLOG_INFO_OR_WARNING.match(line)) or any(text in line for text in _QUIET_DROPPED)
+    return (bool(_GLOG_INFO_OR_WARNING.match(line) or _CUDA_FACTORY_REGISTERED_TWICE.match(line))
+            or any(text in line for text in _QUIET_DROPPED))
 
 
 GRACE_ENV = "DISTRIB_TF_GRACE_SECONDS"  # Seconds from SIGTERM to SIGKILL, for the tasks.
