@@ -12,7 +12,7 @@ STAMP_RAY := $(VENV_RAY)/.installed
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,hub]'
 	touch $(STAMP)
 
 install: $(STAMP)
