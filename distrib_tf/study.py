@@ -89,6 +89,10 @@ def hide_password(url: str) -> str:
 def open_storage(url: str, *, connect_seconds: float = CONNECT_SECONDS):
     """Optuna's storage at `url` (from `parse_url`), reached within `connect_seconds`.
 
+    A database connection lives for one call (SQLAlchemy's `NullPool`): none is left open to
+    a process's teardown (psycopg warns of each), and a server restarted under a long sweep
+    costs its callers nothing but the calls made while it was down.
+
     Raises:
         ValueError: Optuna or the database driver is missing, or the database cannot be
             reached (one line, naming `--storage` and the URL without its password).
@@ -108,8 +112,9 @@ def open_storage(url: str, *, connect_seconds: float = CONNECT_SECONDS):
         except ImportError as e:
             raise ValueError("Missing psycopg, the PostgreSQL driver of `--storage=postgresql+psycopg://...`. "
                              "Expected it installed: pip install 'distrib_tf[sweep]'.") from e
+        from sqlalchemy.pool import NullPool  # pylint: disable=import-outside-toplevel
         kwargs = {"engine_kwargs": {"connect_args": {"connect_timeout": max(1, int(connect_seconds))},
-                                    "pool_pre_ping": True}}
+                                    "poolclass": NullPool}}
     try:
         return optuna.storages.RDBStorage(url, **kwargs)
     except Exception as e:  # sqlalchemy.exc.OperationalError and kin: a server that does not answer.

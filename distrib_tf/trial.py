@@ -109,7 +109,7 @@ def prunes() -> bool:
 def decision(epoch: int, *, fit: int = 1, timeout: float, stop_waiting=lambda: False) -> str:
     """The sweep's word on the trial after `epoch` (1-based) of its `fit`-th fit: `prune` or `go`.
 
-    Reads the study every 0.1 s (`distrib_tf.study.Words`), at most `timeout` seconds, or
+    Reads the study every 0.2 s (`distrib_tf.study.Words`), at most `timeout` seconds, or
     until `stop_waiting()` (a preemption came): then `go`, and the run goes on (a sweep that
     is gone, or a database that does not answer, cannot prune it).
     """
@@ -125,7 +125,7 @@ def decision(epoch: int, *, fit: int = 1, timeout: float, stop_waiting=lambda: F
             word = None
         if word is not None:
             return "prune" if word == "prune" else "go"
-        time.sleep(0.1)
+        time.sleep(0.2)
     return "go"
 
 

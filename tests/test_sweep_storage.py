@@ -154,15 +154,16 @@ def test_a_study_of_another_script_is_refused_and_kept(tmp_path):
 @pytest.mark.multiworker
 @pytest.mark.parametrize("kind", ["postgresql", "journal"])
 def test_a_sweep_in_a_database_sigkilled_resumes_and_prunes_through_the_study(tmp_path, request, kind):
-    """Trial 0 learns; the sweep is SIGKILLed in its second epoch and started again at once:
-    trial 0 resumes at its step once the killed sweep's launcher has backed up and stopped,
-    and trial 1 (a learning rate of 0) is pruned after its first epoch by the word the sweep
-    wrote into the study."""
+    """Trial 0 learns; the sweep is SIGKILLed in its second epoch and started again at once.
+    The grid goes on in its order (0.001, then 0.0, which the median of the trials that ended
+    prunes after its first epoch by the word the sweep wrote into the study), then trial 0
+    resumes at its step, once the killed sweep's launcher has backed up and stopped."""
     url = request.getfixturevalue("postgres") if kind == "postgresql" else f"journal:{tmp_path}/study.log"
     name = f"killed_{kind}"
     args = [f"--sweep_dir={tmp_path}/sweep", f"--storage={url}", f"--study_name={name}",
-            "--space=learning_rate=[0.05,0.0]", "--pruner=median", "--pruner_startup_trials=1", "--metric=val_loss",
-            "--mode=min", *ONE_WORKER, "--parallel=1", "--", "python", SCRIPT, "--epochs=3", "--slow=0.05"]
+            "--space=learning_rate=[0.05,0.001,0.0]", "--pruner=median", "--pruner_startup_trials=1",
+            "--metric=val_loss", "--mode=min", *ONE_WORKER, "--parallel=1", "--", "python", SCRIPT, "--epochs=3",
+            "--slow=0.05"]
     killed = subprocess.Popen([sys.executable, "-m", SWEEP, *args], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, env=ENV, cwd=ROOT)
     first = _first_trial_events(tmp_path / "sweep")
@@ -179,18 +180,19 @@ def test_a_sweep_in_a_database_sigkilled_resumes_and_prunes_through_the_study(tm
     assert f"study '{name}' in {url}" in again.stdout
     assert not (tmp_path / "sweep" / "study.db").exists()  # The study is where --storage says.
     rows = {float(r["learning_rate"]): r for r in _rows(tmp_path / "sweep")}
-    assert {k: r["status"] for k, r in rows.items()} == {0.05: "finished", 0.0: "pruned"}, again.stdout
+    assert {k: r["status"] for k, r in rows.items()} == {0.05: "finished", 0.001: "finished", 0.0: "pruned"}, (
+        again.stdout)
     log = _text(os.path.join(rows[0.05]["model_dir"], "trial.log"))
     resumed_at = [int(line.split("resumes at step ")[1].split()[0]) for line in log.splitlines()
-                  if "worker:0 resumes at step" in line]
+                  if "resumes at step" in line]
     assert len(resumed_at) == 1 and resumed_at[0] >= 20, log  # At its step, not from 0, and once.
     ends = [e["exit_code"] for e in events.read(first) if e["event"] == "job_end"]
     assert ends == [75, 0], (ends, log)  # Backed up, then resumed to the end: never two runs at once.
     if kind == "postgresql":  # Its chief reaches the database: the host's network, not a private one.
         assert "--network=host" in log
     assert "pruned by the sweep after epoch 1" in _text(os.path.join(rows[0.0]["model_dir"], "trial.log"))
-    study = _study(tmp_path, url, name)
-    assert sorted(t.state.name for t in study.trials) == ["COMPLETE", "FAIL", "PRUNED"]  # Nothing run twice.
+    study = _study(tmp_path, url, name, "learning_rate=[0.05,0.001,0.0]")
+    assert sorted(t.state.name for t in study.trials) == ["COMPLETE", "COMPLETE", "FAIL", "PRUNED"]  # None twice.
     assert not [t for t in study.trials if "cause" in t.user_attrs]  # The killed attempt: interrupted.
     pruned, = [t for t in study.trials if t.state.name == "PRUNED"]
     assert pruned.user_attrs["prune:1:1"] == "prune" and sorted(pruned.intermediate_values) == [1]
@@ -221,6 +223,7 @@ def test_a_second_fit_is_reported_and_pruned_at_its_own_epochs(tmp_path):
     assert {k: (r["status"], r["epochs"]) for k, r in rows.items()} == {
         0.05: ("finished", "3"), 0.0: ("pruned", "2")}, result.stdout
     assert "trial 0 fit 2 epoch 2/2: val_loss" in result.stdout
+    assert "trial 1: pruned after fit 2 epoch 1" in result.stdout
     assert "pruned by the sweep after epoch 1" in _text(os.path.join(rows[0.0]["model_dir"], "trial.log"))
     study = _study(tmp_path, None, "distrib_tf")
     pruned, = [t for t in study.trials if t.state.name == "PRUNED"]

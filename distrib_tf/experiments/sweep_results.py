@@ -220,8 +220,10 @@ class Board:
         if trial.status == "finished" and value is not None and (
                 self.best is None or (value > self.best if self.mode == "max" else value < self.best)):
             self.best, self.best_trial = value, trial.number
+        fit, epoch = getattr(trial, "at", (1, max(trial.curve, default=0)))
         what = {"finished": f"finished, best {self.metric} {value if value is None else round(value, 4)}",
-                "pruned": f"pruned after epoch {max(trial.curve, default=0)}", "failed": f"failed ({trial.cause})",
+                "pruned": f"pruned after {f'fit {fit} ' if fit > 1 else ''}epoch {epoch}",
+                "failed": f"failed ({trial.cause})",
                 "interrupted": "interrupted (backed up; the same command resumes it)"}
         self.say(f"trial {trial.number}: {what[trial.status]} in {seconds:.0f} s")
         self.say(self.line())
