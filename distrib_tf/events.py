@@ -13,7 +13,7 @@ Every event has `event`, `task` and `time` (Unix seconds). The events:
 - `train_begin` (task): `epochs`, `steps`, `workers`;
 - `progress` (task, at most once a second): `epoch`, `epochs`, `step`, `steps`,
   `examples_per_second`, `eta_seconds`, `worker_step_seconds` (`distrib_tf.keras.progress`);
-- `epoch` (task): `epoch`, `epochs`, `metrics`;
+- `epoch` (task): `epoch`, `epochs`, `fit` (which `fit` of the script, from 1), `metrics`;
 - `straggler` (task): `straggler`, `ratio`, `step_seconds`, `others_seconds`;
 - `finished` (task): `final` (metrics), `summary` (its path, the chief only);
 - `failed` (task): `error`, one line;

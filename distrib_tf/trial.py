@@ -14,10 +14,12 @@ type, ends the trial with one line and exit code 2 (the sweep records it and goe
 
 The trial also names its directory (`distrib_tf.Run` writes there instead of its
 `model_dir`, so every trial's backups, checkpoints and `summary.json` are its own), and
-whether the sweep prunes: then, at every epoch's end, the chief waits for the sweep's
-decision (`decision`), a file the sweep writes once it has read the epoch's metrics from
-the run's events, and every worker stops at that step if it says so
-(`distrib_tf.keras.pruning`).
+whether the sweep prunes: then, at every epoch's end of every `fit`, the chief waits for
+the sweep's word (`decision`), which the sweep writes into the study (`distrib_tf.study`:
+the trial is told the storage's URL, the study's name and its number) once it has read the
+epoch's metrics from the run's events, and every worker stops at that step if it says so
+(`distrib_tf.keras.pruning`). The study is what every node reaches (PostgreSQL, a shared
+journal file), so the word needs no disk shared with the sweep.
 
 No TensorFlow here.
 """
@@ -28,14 +30,16 @@ import sys
 import time
 
 from distrib_tf import exit_codes
+from distrib_tf import study
 
 ENV = "DISTRIB_TF_TRIAL"
-DECISIONS = "sweep"  # The sweep's decisions, in the trial's directory: `sweep/epoch-N` holds `prune` or `go`.
 _seen: dict = {}  # The values `params` returned in this process, for `summary.json`.
+_words: list = []  # This process's reader of the sweep's words (`study.Words`), once opened.
 
 
 def current() -> dict | None:
-    """The trial this process runs in (`number`, `params`, `dir`, `prune`), or `None` outside a sweep."""
+    """The trial this process runs in (`number`, `params`, `dir`, `prune`, `storage`, `study`), or
+    `None` outside a sweep."""
     text = os.environ.get(ENV)
     if not text:
         return None
@@ -99,35 +103,30 @@ def model_dir(requested: str) -> str:
 def prunes() -> bool:
     """Whether this trial's sweep may prune it at an epoch's end."""
     found = current()
-    return bool(found and found.get("prune") and found.get("dir"))
+    return bool(found and found.get("prune") and found.get("dir") and found.get("storage"))
 
 
-def decision(epoch: int, *, timeout: float, stop_waiting=lambda: False) -> str:
-    """The sweep's word on the trial after `epoch` (1-based): `prune` or `go`.
+def decision(epoch: int, *, fit: int = 1, timeout: float, stop_waiting=lambda: False) -> str:
+    """The sweep's word on the trial after `epoch` (1-based) of its `fit`-th fit: `prune` or `go`.
 
-    Waits for the file the sweep writes once it has read the epoch's metrics, at most
-    `timeout` seconds, or until `stop_waiting()` (a preemption came): then `go`, and the
-    run goes on (a sweep that is gone cannot prune it).
+    Reads the study every 0.2 s (`distrib_tf.study.Words`), at most `timeout` seconds, or
+    until `stop_waiting()` (a preemption came): then `go`, and the run goes on (a sweep that
+    is gone, or a database that does not answer, cannot prune it).
     """
-    path = os.path.join(current()["dir"], DECISIONS, f"epoch-{epoch}")
+    found = current()
+    if not _words:
+        _words.append(study.Words(found["storage"], study_name=found.get("study", "distrib_tf"),
+                                  number=found["number"]))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not stop_waiting():
         try:
-            with open(path, encoding="utf-8") as f:
-                return "prune" if f.read().strip() == "prune" else "go"
-        except FileNotFoundError:
-            time.sleep(0.05)
+            word = _words[0].get(fit=fit, epoch=epoch)
+        except Exception:  # pylint: disable=broad-except  # A database that does not answer now: again.
+            word = None
+        if word is not None:
+            return "prune" if word == "prune" else "go"
+        time.sleep(0.2)
     return "go"
-
-
-def write_decision(directory: str, epoch: int, prune: bool) -> None:
-    """The sweep's side of `decision`: the file appears whole, by a rename."""
-    folder = os.path.join(directory, DECISIONS)
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"epoch-{epoch}")
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write("prune" if prune else "go")
-    os.replace(path + ".tmp", path)
 
 
 def _program() -> str:

@@ -118,3 +118,30 @@ def test_local_tasks_get_their_share_of_the_cpus_and_threads_to_match():
     assert seen["worker:1"] == [cpus, "7", None, None]
     assert _launch_threads({"TF_NUM_INTRAOP_THREADS": "5"})["worker:0"] == [cpus[:share], threads, "5",
                                                                            str(min(share, 2))]
+
+
+def test_launchers_side_by_side_take_disjoint_gpus_and_cpus():
+    """Two 2-worker launchers on one host (a sweep's trials at once), the second from local
+    rank 2 of 4: no GPU or CPU of one is the other's."""
+    from distrib_tf import launch  # pylint: disable=import-outside-toplevel
+    from distrib_tf.cluster import ClusterSpec  # pylint: disable=import-outside-toplevel
+
+    spec = ClusterSpec.from_dict({"cluster": {"worker": ["127.0.0.1:5000", "127.0.0.1:5001"]}})
+    taken = []
+    for offset in (0, 2):
+        config = launch.LaunchConfig(spec=spec, tasks=spec.tasks, command=("true",), local_rank_offset=offset,
+                                     local_world_size=4, visible_gpus=("0", "1", "2", "3"), cpus=tuple(range(8)))
+        for slot in range(2):
+            env = launch.task_env(config, spec, spec.tasks[slot], slot, {})
+            assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (str(offset + slot), "4")
+            taken.append((env["CUDA_VISIBLE_DEVICES"], env[placement.CPUS_ENV], env["OMP_NUM_THREADS"]))
+    assert taken == [("0", "0,1", "2"), ("1", "2,3", "2"), ("2", "4,5", "2"), ("3", "6,7", "2")]
+
+
+def test_a_local_world_too_small_for_the_offset_is_refused():
+    result = subprocess.run([sys.executable, "-m", "distrib_tf.launch", "--workers=2", "--local_rank_offset=2",
+                             "--local_world_size=3", "--", "true"], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert ("Invalid value for `--local_world_size`. Received: 3, with --local_rank_offset=2 and 2 task(s) here. "
+            "Expected at least 4.") in result.stderr

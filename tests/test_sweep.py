@@ -107,12 +107,12 @@ def test_a_trial_that_fails_for_its_own_reason_is_recorded_and_the_sweep_goes_on
     assert "val_loss" in row["cause"] and "val_within_half" in row["cause"]
 
 
-def _trial_tasks(sweep_dir: str) -> list[int]:
+def _trial_tasks(sweep_dir: str, ranks: dict | None = None) -> list[int]:
     """The pids of live processes that are tasks of a trial of `sweep_dir` (read from /proc):
     each runs the trial's script with the trial's environment; not the launcher's init around
     it, nor a child of a task (a fork before its exec shows the task's command line: counting
-    those once made 5 and 6)."""
-    found = {}
+    those once made 5 and 6). `ranks`: filled with each one's (LOCAL_RANK, LOCAL_WORLD_SIZE)."""
+    found, placed = {}, {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
@@ -126,7 +126,11 @@ def _trial_tasks(sweep_dir: str) -> list[int]:
         if b"TF_CONFIG" in env and SCRIPT.encode() in command and b"_task_init" not in command and \
                 str(sweep_dir).encode() in env.get(trial_lib.ENV.encode(), b""):  # Not the launcher either.
             found[int(pid)] = parent
-    return [pid for pid, parent in found.items() if parent not in found]
+            placed[int(pid)] = (env.get(b"LOCAL_RANK", b"").decode(), env.get(b"LOCAL_WORLD_SIZE", b"").decode())
+    tasks = [pid for pid, parent in found.items() if parent not in found]
+    if ranks is not None:
+        ranks.update((pid, placed[pid]) for pid in tasks)
+    return tasks
 
 
 @pytest.mark.multiworker
@@ -195,14 +199,19 @@ def test_two_trials_at_once_on_four_slots_never_more_than_four_tasks(tmp_path):
         [sys.executable, "-m", SWEEP, "--space=units=[4,8]", "--cluster_spec=local_4workers", "--workers_per_trial=2",
          "--metric=val_loss", "--mode=min", f"--sweep_dir={tmp_path}", "--", "python", SCRIPT, "--epochs=2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=ROOT)
-    most = 0
+    most, ranks = 0, {}
     while proc.poll() is None:
-        most = max(most, len(_trial_tasks(tmp_path)))
+        now = {}
+        most = max(most, len(_trial_tasks(tmp_path, now)))
+        assert len(set(now.values())) == len(now), now  # Tasks at once never share a local rank.
+        ranks.update(now)
         time.sleep(0.05)
     out, _ = proc.communicate()
     assert proc.returncode == 0, out
     assert "2 at a time on 2 of the 4 slots" in out
     assert most == 4, (most, out)  # Both trials ran at once, and never a fifth task.
+    # Each on its own local ranks of the host: its own GPUs and CPUs (distrib_tf.launch.placement).
+    assert set(ranks.values()) == {("0", "4"), ("1", "4"), ("2", "4"), ("3", "4")}, ranks
     assert [r["status"] for r in _rows(tmp_path)] == ["finished", "finished"]
 
 
@@ -232,7 +241,7 @@ def test_params_are_the_defaults_outside_a_sweep_and_the_trials_inside(monkeypat
     assert trial_lib.params(learning_rate=1e-3, units=64) == {"learning_rate": 1e-3, "units": 64}
     assert trial_lib.model_dir("runs/mine") == "runs/mine" and not trial_lib.prunes()
     monkeypatch.setenv(trial_lib.ENV, json.dumps({"params": {"units": 32.0, "on": "true", "lr": 1}, "dir": "/t",
-                                                  "prune": True}))
+                                                  "prune": True, "storage": "sqlite:////t/study.db"}))
     assert trial_lib.params(lr=1e-3, units=64, on=False) == {"lr": 1.0, "units": 32, "on": True}
     assert trial_lib.model_dir("runs/mine") == "/t" and trial_lib.prunes()
     monkeypatch.setenv(trial_lib.ENV, json.dumps({"params": {"dropout": 0.1}}))

@@ -30,12 +30,24 @@ def best(curve: dict, mode: str):
     return (max if mode == "max" else min)(curve.values()) if curve else None
 
 
+def step_of(steps: dict, event: dict) -> tuple[int, bool]:
+    """The sweep's step of an `epoch` event, and whether it is new: its (fit, epoch) numbered in
+    the order first seen, so that a script's second `fit`, whose epochs count from 1 again,
+    goes on where the first ended (`steps` holds the numbering so far). Pure but for `steps`."""
+    key = (event.get("fit", 1), event["epoch"])
+    if key in steps:
+        return steps[key], False
+    steps[key] = len(steps) + 1
+    return steps[key], True
+
+
 def curve_of(model_dir: str, metric: str) -> dict:
-    """Epoch -> `metric`, as the run's chief reported them (an epoch run again: its last value)."""
-    curve = {}
+    """Step (`step_of`: the epochs of every fit in turn) -> `metric`, as the run's chief
+    reported them (an epoch run again: its last value)."""
+    curve, steps = {}, {}
     for event in events.read(os.path.join(model_dir, "events.jsonl")):
         if event["event"] == "epoch" and event.get("task") in CHIEFS and metric in event.get("metrics", {}):
-            curve[event["epoch"]] = event["metrics"][metric]
+            curve[step_of(steps, event)[0]] = event["metrics"][metric]
     return dict(sorted(curve.items()))
 
 
@@ -194,8 +206,9 @@ class Board:
         self._running[trial.number] = trial
         self.say(f"trial {trial.number} {trial.values}: {'resumed' if resumed else 'started'} in {trial.model_dir}")
 
-    def epoch(self, trial, epoch: int, value: float) -> None:
-        self.say(f"trial {trial.number} epoch {epoch}/{trial.epochs or '?'}: {self.metric} {value:.4f}")
+    def epoch(self, trial, epoch: int, value: float, *, fit: int = 1) -> None:
+        which = f"fit {fit} " if fit > 1 else ""
+        self.say(f"trial {trial.number} {which}epoch {epoch}/{trial.epochs or '?'}: {self.metric} {value:.4f}")
 
     def ended(self, trial, seconds: float) -> None:
         self._running.pop(trial.number, None)
@@ -207,8 +220,10 @@ class Board:
         if trial.status == "finished" and value is not None and (
                 self.best is None or (value > self.best if self.mode == "max" else value < self.best)):
             self.best, self.best_trial = value, trial.number
+        fit, epoch = getattr(trial, "at", (1, max(trial.curve, default=0)))
         what = {"finished": f"finished, best {self.metric} {value if value is None else round(value, 4)}",
-                "pruned": f"pruned after epoch {max(trial.curve, default=0)}", "failed": f"failed ({trial.cause})",
+                "pruned": f"pruned after {f'fit {fit} ' if fit > 1 else ''}epoch {epoch}",
+                "failed": f"failed ({trial.cause})",
                 "interrupted": "interrupted (backed up; the same command resumes it)"}
         self.say(f"trial {trial.number}: {what[trial.status]} in {seconds:.0f} s")
         self.say(self.line())

@@ -62,15 +62,17 @@ class Progress(keras.callbacks.Callback):
         task: this worker, such as `worker:1`.
         workers: every training task, in the order of their replicas.
         epochs, steps_per_epoch, global_batch_size: the run's, for the status line.
+        fit: which `fit` of the script this is (1-based), in each `epoch` event: a sweep keys
+            its reports by it, since every fit numbers its epochs from 1.
         window: steps between two exchanges of the step times.
         ratio, patience: a straggler is `ratio` times slower for `patience` windows.
     """
 
     def __init__(self, *, task: str, workers: list[str], epochs: int, steps_per_epoch: int,
-                 global_batch_size: int, window: int = 10, ratio: float = 1.5, patience: int = 3):
+                 global_batch_size: int, fit: int = 1, window: int = 10, ratio: float = 1.5, patience: int = 3):
         super().__init__()
         self.task, self.workers = task, list(dict.fromkeys(workers))
-        self.epochs, self.steps, self.batch = epochs, steps_per_epoch, global_batch_size
+        self.epochs, self.steps, self.batch, self.fit = epochs, steps_per_epoch, global_batch_size, fit
         self.window, self.ratio, self.patience = window, ratio, patience
         self.latest: dict[str, float] = {}  # Mean own step time of every worker, last window.
         self._epoch_times: dict[str, list[float]] = {}
@@ -175,5 +177,5 @@ class Progress(keras.callbacks.Callback):
             for task, seconds in self._epoch_times.items():
                 if seconds:
                     logs[log_key(task)] = statistics.median(seconds)
-        events.emit("epoch", epoch=epoch + 1, epochs=self.epochs,
+        events.emit("epoch", epoch=epoch + 1, epochs=self.epochs, fit=self.fit,
                     metrics=user_view.values(logs))

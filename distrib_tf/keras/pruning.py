@@ -1,10 +1,11 @@
 """A sweep's pruning, on every worker at one step: the end of the epoch the sweep judged.
 
 In a trial whose sweep prunes (`distrib_tf.trial.prunes()`), `PruneAtEpochEnd` runs at
-every epoch's end, after the epoch's `epoch` event went out (`distrib_tf.keras.progress`)
-and its backup was taken (`distrib_tf.keras.worker_backup.WorkerBackup`). The chief waits for
-the sweep's word on that epoch (`distrib_tf.trial.decision`, which the sweep writes once
-it has reported the epoch's metric to its Optuna pruner) and names it in the coordination
+every epoch's end of every `fit` (each numbering its epochs from 1), after the epoch's
+`epoch` event went out (`distrib_tf.keras.progress`) and its backup was taken
+(`distrib_tf.keras.worker_backup.WorkerBackup`). The chief waits for the sweep's word on that
+fit's epoch (`distrib_tf.trial.decision`, which the sweep writes into the study once it
+has reported the epoch's metric to its Optuna pruner) and names it in the coordination
 service's key-value store; every other worker reads it there. On `prune`, each waits for
 its backup of that step to be on the disk and raises `Pruned`: the run exits with
 `distrib_tf.exit_codes.PRUNED` (3) and one line, and its state stays, so that the same
@@ -45,12 +46,13 @@ class PruneAtEpochEnd(keras.callbacks.Callback):
     Args:
         worker_backup: this worker's `WorkerBackup`, before this callback in `fit`'s list.
         is_chief: whether this worker reads the sweep's word (the others read the chief's).
+        fit: which `fit` of the script this is (1-based): the sweep's words are per fit.
         timeout: seconds the chief waits for the word before going on.
     """
 
-    def __init__(self, worker_backup, *, is_chief: bool, timeout: float = DECISION_SECONDS):
+    def __init__(self, worker_backup, *, is_chief: bool, fit: int = 1, timeout: float = DECISION_SECONDS):
         super().__init__()
-        self.worker_backup, self.is_chief, self.timeout = worker_backup, is_chief, timeout
+        self.worker_backup, self.is_chief, self.timeout, self.fit = worker_backup, is_chief, timeout, fit
 
     def on_train_begin(self, logs=None):
         resolver = getattr(self.model.distribute_strategy, "cluster_resolver", None)
@@ -61,7 +63,7 @@ class PruneAtEpochEnd(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         key = f"distrib_tf/prune/{self._fit}/{epoch + 1}"
         if self.is_chief:
-            word = trial.decision(epoch + 1, timeout=self.timeout, stop_waiting=sigterm.requested)
+            word = trial.decision(epoch + 1, fit=self.fit, timeout=self.timeout, stop_waiting=sigterm.requested)
             if self._several:
                 _set(key, word)
         else:

@@ -20,10 +20,12 @@ cluster read from the `SLURM_*` variables), each with:
   with fresh ports, without spending a restart. Port 0 is refused where launchers would
   pick independently (`--task`, `--task_ordinal`, a spec with other hosts);
 - `LOCAL_RANK` and `LOCAL_WORLD_SIZE` (`SLURM_LOCALID` under Slurm, else its order among
-  this launcher's tasks), and `CUDA_VISIBLE_DEVICES`: with `--gpus_per_task=N` local rank
-  r gets GPUs r*N ... r*N+N-1 of those the launcher was given (its own
-  `CUDA_VISIBLE_DEVICES` when set); with several local tasks and no flag the GPUs are
-  split evenly, or refused in one line when they do not divide (`distrib_tf.launch.placement`);
+  this launcher's tasks, from `--local_rank_offset=K` among `--local_world_size=M` when
+  several launchers share the host, as a sweep's trials side by side do), and
+  `CUDA_VISIBLE_DEVICES`: with `--gpus_per_task=N` local rank r gets GPUs r*N ...
+  r*N+N-1 of those the launcher was given (its own `CUDA_VISIBLE_DEVICES` when set); with
+  several local tasks and no flag the GPUs are split evenly, or refused in one line when
+  they do not divide (`distrib_tf.launch.placement`);
 - with several local tasks, each its share of this launcher's CPUs: bound to them, with
   `OMP_NUM_THREADS`, `TF_NUM_INTRAOP_THREADS` and `TF_NUM_INTEROP_THREADS` sized to them;
   a variable already set wins, and `--no_cpu_binding` leaves CPUs and threads alone;
@@ -151,6 +153,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--log_dir", help="also append each task's output to DIR/TYPE_INDEX.log")
     parser.add_argument("--gpus_per_task", type=int, default=0,
                         help="GPUs for each local task (0: split the visible GPUs evenly)")
+    parser.add_argument("--local_rank_offset", type=int, default=0, metavar="K",
+                        help="this launcher's tasks are local ranks K, K+1, ... of the host (default: 0); "
+                             "with --local_world_size, launchers side by side (a sweep's trials) share "
+                             "the host's GPUs and CPUs out disjointly")
+    parser.add_argument("--local_world_size", type=int, default=0, metavar="M",
+                        help="the tasks of every launcher on this host (default: this launcher's)")
     parser.add_argument("--no_cpu_binding", action="store_true",
                         help="do not share this host's CPUs and thread pools out among local tasks")
     parser.add_argument("--collective_timeout", type=float,
@@ -242,7 +250,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     if shutil.which(command[0]) is None:
         raise ValueError(f"Invalid value for `COMMAND`. Received: {command[0]!r}. "
                          "Expected a program on PATH or a path to an executable.")
-    for name in ("max_restarts", "gpus_per_task"):
+    for name in ("max_restarts", "gpus_per_task", "local_rank_offset", "local_world_size"):
         if getattr(args, name) < 0:
             raise ValueError(f"Invalid value for `--{name}`. Received: {getattr(args, name)}. "
                              "Expected an integer >= 0.")
@@ -264,9 +272,14 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
             raise ValueError(f"Invalid value for `--log_dir`. Received: {args.log_dir!r}. Expected a directory "
                              f"this user can write to ({e.strerror}).") from e
     spec, tasks = _select_tasks(args)
+    if args.local_world_size and args.local_rank_offset + len(tasks) > args.local_world_size:
+        raise ValueError(f"Invalid value for `--local_world_size`. Received: {args.local_world_size}, with "
+                         f"--local_rank_offset={args.local_rank_offset} and {len(tasks)} task(s) here. Expected at "
+                         f"least {args.local_rank_offset + len(tasks)}.")
     config = LaunchConfig(spec=spec, tasks=tasks, command=tuple(command),
                           max_restarts=args.max_restarts, log_dir=args.log_dir,
-                          gpus_per_task=args.gpus_per_task,
+                          gpus_per_task=args.gpus_per_task, local_rank_offset=args.local_rank_offset,
+                          local_world_size=args.local_world_size,
                           collective_timeout=args.collective_timeout,
                           grace_period=args.grace_period,
                           private=args.network == "private" and not args.no_private,

@@ -1,7 +1,9 @@
 """Where each task of a host runs: its local rank and its GPUs, like torchrun's `LOCAL_RANK`.
 
 Every task started on a host gets a local rank: `SLURM_LOCALID` under Slurm, else its
-order among the tasks this launcher starts. The tasks share the GPUs the launcher was
+order among the tasks this launcher starts, counted from `--local_rank_offset` among
+`--local_world_size` tasks when several launchers share the host (a sweep's trials side
+by side): their GPUs and CPUs are then disjoint shares of one split. The tasks share the GPUs the launcher was
 given: its own `CUDA_VISIBLE_DEVICES` when set (Slurm and Kubernetes hand out GPUs that
 way), else every GPU `nvidia-smi -L` lists. Then:
 

@@ -67,6 +67,8 @@ class LaunchConfig:
     max_restarts: int = 0
     log_dir: str | None = None
     gpus_per_task: int = 0
+    local_rank_offset: int = 0  # This launcher's first task's local rank among all the host's tasks.
+    local_world_size: int = 0  # The tasks of every launcher on this host (0: this launcher's).
     collective_timeout: float | None = None
     grace_period: float = 10.0
     private: bool = True
@@ -115,7 +117,9 @@ def task_placement(config: LaunchConfig, slot: int, base_env: dict[str, str]) ->
         ValueError: the GPUs asked for do not fit or do not divide (`distrib_tf.launch.placement`).
     """
     under_slurm = slurm.local_rank(base_env)
-    local_rank, local_tasks = under_slurm or (slot, len(config.tasks))
+    local_rank, local_tasks = under_slurm or (
+        config.local_rank_offset + slot,
+        max(config.local_world_size, config.local_rank_offset + len(config.tasks)))
     return placement.placement_env(local_rank=local_rank, local_tasks=local_tasks,
                                    visible=list(config.visible_gpus), gpus_per_task=config.gpus_per_task,
                                    bound_per_task="SLURM_GPUS_PER_TASK" in base_env,

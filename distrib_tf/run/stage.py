@@ -112,7 +112,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
                                       isinstance(c, keras.callbacks.TerminateOnNaN) for c in callbacks or ())),
         *([] if periodic else [replica_state.AverageReplicaState()]),  # Moving statistics: one value, each step.
         progress.Progress(task=run.task, workers=list(run.replica_tasks), epochs=epochs,
-                          steps_per_epoch=steps, global_batch_size=global_batch_size),
+                          steps_per_epoch=steps, global_batch_size=global_batch_size, fit=stage + 1),
         callbacks_lib.ScalarTensorBoard(os.path.join(run.model_dir, "logs"), write_graph=False),
     ]
     if not run.is_chief and cluster.speaks():  # DISTRIB_TF_VERBOSE=1: every worker says its epochs.
@@ -120,7 +120,8 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     # The user's see each step after the NaN check and before its backup, which so holds their state.
     checkpoint = callbacks_lib.ChiefCheckpoint(run.model_dir, run_id, keep=options.keep_checkpoints, stage=stage)
     every_callback = [*ours, hide, users, worker_backup, checkpoint, preemption.SaveOnPreemption(worker_backup),
-                      *([pruning.PruneAtEpochEnd(worker_backup, is_chief=run.is_chief)] if trial.prunes() else []),
+                      *([pruning.PruneAtEpochEnd(worker_backup, is_chief=run.is_chief, fit=stage + 1)]
+                        if trial.prunes() else []),
                       progbar]
     if verbose == "auto":
         verbose = 1 if sys.stdout.isatty() else 2

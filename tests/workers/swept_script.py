@@ -1,11 +1,12 @@
 """A Keras user's own script with two hyperparameters, as a sweep runs it unchanged.
 
-    python tests/workers/swept_script.py [--epochs=3] [--float64] [--slow=SECONDS]
+    python tests/workers/swept_script.py [--epochs=3] [--second_fit=EPOCHS] [--float64] [--slow=SECONDS]
 
 Dict inputs and a metric of the user's own (`within_half`); `distrib_tf.params` names the
 swept values. Outside a sweep it trains with its defaults. Each worker writes what it
 saw to `<model_dir>/seen/<task>/`: its params at the start (`params-<pid>.json`), its History
-and final weights at the end (`end.json`).
+(the last fit's) and final weights at the end (`end.json`). `--second_fit=N`: a second
+`fit` of N epochs after the first, as a fine-tuning script has.
 """
 
 import argparse
@@ -24,6 +25,7 @@ import my_models  # noqa: E402  pylint: disable=wrong-import-position
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--second_fit", type=int, default=0, help="epochs of a second fit (0: none)")
 parser.add_argument("--float64", action="store_true")
 parser.add_argument("--slow", type=float, default=0.0, help="seconds of sleep after each step")
 args = parser.parse_args()
@@ -60,6 +62,9 @@ with distrib_tf.Run("runs/swept", backup_every_steps=4) as run:
                   metrics=[within_half])
     history = model.fit(x, y["value"], batch_size=32, epochs=args.epochs, validation_data=(xv, yv["value"]),
                         callbacks=[Slow()] if args.slow else None)
+    if args.second_fit:
+        history = model.fit(x, y["value"], batch_size=32, epochs=args.second_fit, validation_data=(xv, yv["value"]),
+                            callbacks=[Slow()] if args.slow else None)
     weights = np.concatenate([np.ravel(w) for w in model.get_weights()]).tolist()
     with open(os.path.join(seen, "end.json"), "w", encoding="utf-8") as f:
         json.dump({"history": history.history, "weights": weights}, f)

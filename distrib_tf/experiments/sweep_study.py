@@ -1,0 +1,100 @@
+"""A sweep's Optuna study: opened at its storage, the pruner, what a sweep started again finds.
+
+The study is where `--storage` says (`distrib_tf.study`: SQLite beside the sweep by default,
+PostgreSQL, or a journal file on a shared disk); everything a sweep needs to go on after
+its process was killed is in it: the trials that ended, the interrupted ones to run again,
+and the words it said on their epochs. This module imports no TensorFlow.
+"""
+
+import itertools
+
+from distrib_tf import study as study_lib
+from distrib_tf.experiments import sweep_results
+from distrib_tf.experiments.sweep_space import Dimension
+
+PRUNERS = ("none", "median", "halving", "hyperband")
+
+
+def optuna_module():
+    """Optuna, quiet (the sweep says what each trial did), or the one line that installs it."""
+    try:
+        import optuna  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+        raise ValueError("Missing Optuna, which sweeps are built on. Expected it installed: "
+                         "pip install 'distrib_tf[sweep]'.") from e
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    return optuna
+
+
+def make_pruner(name: str, *, startup_trials: int = 2, warmup_epochs: int = 0):
+    """Optuna's pruner called `name` (`PRUNERS`)."""
+    pruners = optuna_module().pruners
+    return {"none": pruners.NopPruner,
+            "median": lambda: pruners.MedianPruner(n_startup_trials=startup_trials, n_warmup_steps=warmup_epochs),
+            "halving": lambda: pruners.SuccessiveHalvingPruner(min_resource=max(1, warmup_epochs)),
+            "hyperband": lambda: pruners.HyperbandPruner(min_resource=max(1, warmup_epochs))}[name]()
+
+
+def open_study(sweep_dir: str, space: list[Dimension], *, sampler: str, seed: int, mode: str,
+               pruner: str = "none", startup_trials: int = 2, warmup_epochs: int = 0, storage: str | None = None,
+               study_name: str = "distrib_tf", program: str | None = None):
+    """The sweep's Optuna study at `storage` (a URL of `distrib_tf.study.parse_url`; default: the
+    SQLite file `sweep_dir/study.db`): created, or loaded to go on.
+
+    A grid is enqueued once, in the order written (the last name varies fastest); a random
+    or TPE sampler is seeded with `seed` plus the trials the study holds, so that a sweep
+    started again goes on drawing instead of repeating its first values. With `program`
+    (what the trials run), a study that another program's sweep made, or one over other
+    names, is refused.
+
+    Raises:
+        ValueError: the storage cannot be opened, or holds another sweep's study (one line).
+    """
+    optuna = optuna_module()
+    url = storage or study_lib.default_url(sweep_dir)
+    study = optuna.create_study(study_name=study_name, storage=study_lib.open_storage(url), load_if_exists=True,
+                                direction="maximize" if mode == "max" else "minimize",
+                                pruner=make_pruner(pruner, startup_trials=startup_trials, warmup_epochs=warmup_epochs))
+    if program is not None:
+        names, made = [d.name for d in space], study.user_attrs
+        if "program" in made and (made["program"], made.get("space")) != (program, names):
+            raise ValueError(f"Invalid value for `--storage`. Received: {study_lib.hide_password(url)}, whose study "
+                             f"{study_name!r} sweeps {made.get('space')} of {made['program']}. Expected a study of "
+                             f"this sweep ({names} of {program}): another --study_name or --storage.")
+        if "program" not in made:
+            study.set_user_attr("program", program)
+            study.set_user_attr("space", names)
+    so_far = len(study.get_trials(deepcopy=False))
+    study.sampler = (optuna.samplers.TPESampler if sampler == "tpe" else optuna.samplers.RandomSampler)(
+        seed=seed + so_far)
+    if sampler == "grid" and not so_far:
+        for point in itertools.product(*(d.values for d in space)):
+            study.enqueue_trial(dict(zip([d.name for d in space], point)))
+    return study
+
+
+def leftovers(study, optuna) -> tuple[list, list[dict]]:
+    """The trials that count against the budget, and the values of interrupted ones to run
+    again. A trial left running by a sweep that was killed is told failed (it has no cause:
+    interrupted), and its values run again, resumed from their backups."""
+    states = optuna.trial.TrialState
+    for old in study.get_trials(deepcopy=False, states=(states.RUNNING,)):
+        study.tell(old.number, state=states.FAIL)
+    trials = study.get_trials(deepcopy=False)
+    done = [t for t in trials if t.state in (states.COMPLETE, states.PRUNED)
+            or (t.state == states.FAIL and "cause" in t.user_attrs)]
+    covered = [t.params for t in done] + [t.params for t in trials if t.state == states.WAITING]
+    retry = []
+    for t in trials:
+        if t.state == states.FAIL and "cause" not in t.user_attrs and t.params not in covered + retry and t.params:
+            retry.append(t.params)
+    return done, retry
+
+
+def words_said(study, trial_id: str) -> dict:
+    """The sweep's words on earlier attempts of the values of `trial_id` that were interrupted."""
+    words = {}
+    for old in study.get_trials(deepcopy=False, states=(optuna_module().trial.TrialState.FAIL,)):
+        if "cause" not in old.user_attrs and old.params and sweep_results.trial_id(old.params) == trial_id:
+            words.update((k, v) for k, v in old.user_attrs.items() if k.startswith("prune:"))
+    return words
