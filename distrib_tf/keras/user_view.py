@@ -158,11 +158,18 @@ def callback_arrays(callbacks) -> dict:
             for i, w in enumerate(callback.best_weights)}
 
 
-def set_callback_arrays(callbacks, arrays: dict | None, task: str) -> None:
+def set_callback_arrays(callbacks, arrays: dict | None, task: str, states=None) -> None:
     """Gives each callback the arrays `callback_arrays` recorded; an `EarlyStopping` that
     restores its best weights but finds none in the backup (a state handed over by a peer)
-    says so in one line."""
+    says so in one line. Only while the callbacks' classes match `states`' (as `set_callback_states`)."""
+    recorded = set()
+    for index, (callback, (name, _)) in enumerate(zip(callbacks, states or ())):
+        if type(callback).__name__ != name:
+            break
+        recorded.add(index)
     for index, callback in enumerate(callbacks):
+        if index not in recorded:  # Another list than the backup's from here (`set_callback_states`).
+            return
         if isinstance(callback, keras.callbacks.EarlyStopping) and callback.restore_best_weights:
             weights = [arrays[k] for k in sorted((k for k in arrays or {} if k.startswith(f"{index}_")),
                                                  key=lambda k: int(k.split("_")[1]))]
@@ -194,7 +201,7 @@ class Segments(keras.callbacks.CallbackList):
             super().on_train_begin(logs)
             set_callback_states(self.callbacks, self.states)
             if self.states:
-                set_callback_arrays(self.callbacks, self.arrays, self.task)
+                set_callback_arrays(self.callbacks, self.arrays, self.task, self.states)
 
     def on_train_end(self, logs=None):
         if self.last:
@@ -203,6 +210,8 @@ class Segments(keras.callbacks.CallbackList):
     def on_epoch_end(self, epoch, logs=None):
         """Keras's, but on the caller's `logs` itself: what a callback adds to them
         (`ReduceLROnPlateau`'s `learning_rate`) reaches the History, as in Keras's own list."""
+        if self._async_train:
+            self._flush_futures()
         logs = {} if logs is None else logs
         for callback in self.callbacks:
             callback.on_epoch_end(epoch, logs)

@@ -82,6 +82,11 @@ class WorkerBackup(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         before, self.step = self.step, self.steps(self.model)  # Once an execution: maybe several steps.
+        if self.step == before and not getattr(self, "_said_still", False):
+            self._said_still = True  # A train_step with optimizers of its own (a GAN's): say it once.
+            print(f"{self.task}: model.optimizer did not count this step (a train_step that applies its own "
+                  f"optimizers?): backups and a resume count steps by it, so they stay at step {self.step}; "
+                  "expected model.optimizer to apply the step's gradients", flush=True)
         if self.every_steps and steps_lib.crossed(before, self.step, self.every_steps):
             self.save()
 

@@ -134,7 +134,10 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     # Several steps an execution: one `fit` an epoch, on that epoch's batches alone, so that an
     # execution ends at the epoch's end as on Keras's own finite data (an endless stream with
     # `steps_per_epoch` would run whole executions past it).
-    epochwise = (model.steps_per_execution or 1) > 1 and not isinstance(train, examples_lib.DatasetFn)
+    # (Sources read by position only: a tf.data.Dataset reaches a later epoch by skipping every
+    # batch before it, which one fit an epoch would pay again each epoch.)
+    epochwise = ((model.steps_per_execution or 1) > 1 and not isinstance(train, examples_lib.DatasetFn)
+                 and not getattr(train, "skips", False))
     keras_fit = super(keras.Model, model).fit  # Keras's own: not a model library's `fit`, which called this one.
     model.stop_training = bool(meta.get("stopped"))  # A callback ended the stage there (EarlyStopping).
     held = None  # A tf.data.Dataset: one iterator for the stage (`inputs.OneIterator`).
