@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -142,3 +143,11 @@ def finished_backups(model_dir) -> dict:
         found.setdefault(str(meta.parent.relative_to(pathlib.Path(model_dir, "backup"))), []).append(
             (record["step"], bool(record.get("finished"))))
     return found
+
+
+def run_script(script: str, model_dir, *args, env: dict, timeout: float = 240):
+    """One process of a worker script that prints `RESULT {...}`: `(exit code, its output, the result)`."""
+    result = subprocess.run([sys.executable, script, str(model_dir), *map(str, args)], capture_output=True,
+                            text=True, timeout=timeout, env=env)
+    found = re.search(r"^RESULT (\{.*\})$", result.stdout, re.M)
+    return result.returncode, result.stdout + result.stderr, json.loads(found.group(1)) if found else None

@@ -4,17 +4,14 @@ same weights bit for bit, and so does one preempted in a later epoch and restart
 (tests/workers/keras_io_data.py, one process, two replicas, float64); what the replay
 reads from the dataset's graph."""
 
-import json
 import os
 import random
-import re
-import subprocess
-import sys
 
 import keras
 import tensorflow as tf
 
 from cluster_runner import QUIET_TF
+from cluster_runner import run_script
 from distrib_tf.data import replay
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
@@ -24,11 +21,7 @@ STEPS = 16  # An epoch's, in the script.
 
 
 def _script(model_dir, *args):
-    result = subprocess.run([sys.executable, SCRIPT, str(model_dir), *map(str, args)], capture_output=True,
-                            text=True, timeout=240, env=ENV)
-    text = result.stdout + result.stderr
-    found = re.search(r"^RESULT (\{.*\})$", result.stdout, re.M)
-    return result.returncode, text, json.loads(found.group(1)) if found else None
+    return run_script(SCRIPT, model_dir, *args, env=ENV)
 
 
 def test_a_keras_io_pipeline_runs_twice_alike_and_resumes_bit_identical(tmp_path):

@@ -4,7 +4,6 @@ several stages each resumed at its step, stateful callbacks that carry on after 
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 import distrib_tf
 from cluster_runner import QUIET_TF
 from cluster_runner import finished_backups
+from cluster_runner import run_script
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 SCRIPT = os.path.join(ROOT, "tests", "workers", "keras_stages.py")
@@ -126,11 +126,7 @@ def test_sigterm_outside_fit_keeps_its_default_meaning(tmp_path):
 
 
 def _script(model_dir, *args):
-    result = subprocess.run([sys.executable, SCRIPT, str(model_dir), *map(str, args)], capture_output=True,
-                            text=True, timeout=240, env=ENV)
-    text = result.stdout + result.stderr
-    found = re.search(r"^RESULT (\{.*\})$", result.stdout, re.M)
-    return result.returncode, text, json.loads(found.group(1)) if found else None
+    return run_script(SCRIPT, model_dir, *args, env=ENV)
 
 
 @pytest.fixture(scope="module")

@@ -14,26 +14,15 @@ the epochs the early-stopping stage trained in this process.
 import argparse
 import hashlib
 import json
-import os
-import signal
 
 import keras
 import numpy as np
 import tensorflow as tf
+from faults import Fault  # pylint: disable=wrong-import-order  (beside this script)
 
 import distrib_tf
 
 ROWS, BATCH = 256, 32  # 8 steps an epoch.
-
-
-class Fault(keras.callbacks.Callback):
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if int(self.model.optimizer.iterations.numpy()) == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Epochs(keras.callbacks.Callback):
