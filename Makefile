@@ -58,7 +58,8 @@ test-keras: $(STAMP)
 test-tf: $(STAMP)
 	scripts/test_tf.sh
 
-# Ray Train on a two-node local Ray cluster (as root), in a venv of its own with the `ray` extra.
+# Ray Train on a two-node local Ray cluster (as root), in a venv of its own with the `ray` extra;
+# a sweep whose trials are Ray jobs (tests/test_ray.py).
 $(STAMP_RAY): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV_RAY)
 	$(VENV_RAY)/bin/python -m pip install --quiet --upgrade pip
@@ -69,7 +70,8 @@ test-ray: $(STAMP_RAY)
 	DISTRIB_TF_REQUIRE_RAY=1 $(VENV_RAY)/bin/python -m pytest -q --durations=5 tests/test_ray.py
 
 # As root: the Kubernetes exports' pods as local processes, each engine's restart rules
-# played on them (tests/test_engines.py): a killed pod, a preemption, a bad flag.
+# played on them (tests/test_engines.py): a killed pod, a preemption, a bad flag; on a two-node
+# Slurm, a resize and a sweep whose trials are batch jobs, the study in PostgreSQL (tests/test_slurm.py).
 test-engines: $(STAMP)
 	$(PY) -m pytest -q --durations=5 -m engines tests/test_engines.py tests/test_slurm.py
 

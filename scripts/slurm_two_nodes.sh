@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A two-node Slurm on one machine, for tests (root; Debian's slurm-wlm, munge, iproute2).
 #   scripts/slurm_two_nodes.sh start DIR          # nodes dtf-n1, dtf-n2; controller on dtf-n1
-#   scripts/slurm_two_nodes.sh run DIR -- CMD...  # CMD on dtf-n1 (srun, sbatch, sinfo ...)
+#   scripts/slurm_two_nodes.sh run DIR -- CMD...  # CMD on dtf-n1 (srun, sbatch, sinfo ...), in this process
 #   scripts/slurm_two_nodes.sh stop DIR
 # Each node is a network namespace (its own address on a veth pair, 10.81.0.1 and .2) with
 # its own hostname (UTS namespace) and /etc/hosts (mount namespace). Each node declares 2
@@ -33,7 +33,10 @@ stop() {
 
 case "$action" in
   stop) stop; exit 0 ;;
-  run) [ "${1:-}" = "--" ] && shift; SLURM_CONF="$dir/slurm.conf" on_node 0 "$@"; exit ;;
+  run) [ "${1:-}" = "--" ] && shift; export SLURM_CONF="$dir/slurm.conf"  # CMD becomes this process.
+    exec nsenter --net="/run/netns/${namespaces[0]}" unshare --uts --mount --propagation private \
+      bash -c 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"' \
+      bash "$dir/hosts" "${nodes[0]}" "$@" ;;
   start) ;;
   *) echo "unknown action $action: expected start, run or stop" >&2; exit 2 ;;
 esac

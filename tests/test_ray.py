@@ -8,10 +8,13 @@ the head. Traffic stays inside the two namespaces the test makes.
 `make test` skips it.
 """
 
+import csv
+import glob
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,10 +25,12 @@ import pytest
 
 import netns
 from cluster_runner import QUIET_TF
+from distrib_tf import events
 from distrib_tf import exit_codes
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 RAY_USER = os.path.join(ROOT, "tests", "workers", "ray_user.py")
+SWEPT = os.path.join(ROOT, "tests", "workers", "swept_script.py")  # A user's script a sweep runs.
 MY_SCRIPT = os.path.join(ROOT, "tests", "workers", "my_script.py")  # A user's script on the run API.
 TAG_ENV = "DISTRIB_TF_TEST_RAY"  # Marks the processes of this test's cluster.
 
@@ -63,7 +68,7 @@ def cluster(tmp_path_factory):
         (head_ns, head_ip), (worker_ns, worker_ip) = hosts
         common = ["--num-cpus=1", "--disable-usage-stats"]
         nodes = [(head_ns, [ray_bin, "start", "--head", f"--node-ip-address={head_ip}", "--port=6379",
-                            "--include-dashboard=false", *common]),
+                            "--include-dashboard=true", f"--dashboard-host={head_ip}", *common]),  # The job API.
                  (worker_ns, [ray_bin, "start", f"--address={head_ip}:6379",
                               f"--node-ip-address={worker_ip}", *common])]
         try:
@@ -82,8 +87,11 @@ def cluster(tmp_path_factory):
 
             yield run, base, tag
         finally:
-            for pid in _tagged(tag):  # Ours only: every process of this cluster has the tag.
+            for pid in _tagged(tag):  # Ours only: every process of this cluster has the tag,
                 _kill(pid)
+            for pid in filter(str.isdigit, os.listdir("/proc")):  # or runs in its nodes' namespaces (Ray's
+                if _in_namespace(int(pid), head_ns) or _in_namespace(int(pid), worker_ns):  # agents drop the tag).
+                    _kill(int(pid))
 
 
 def _tagged(tag: str, *, contains: str = "") -> list[int]:
@@ -291,6 +299,48 @@ def test_a_users_script_on_the_run_api_is_preempted_and_restarted_under_ray(clus
     assert set(_fingerprints(output)[-2:]) == expected, output[-5000:]  # Both nodes, the same weights.
 
 
+def test_a_sweep_of_two_trials_as_ray_jobs_prunes_one(cluster):
+    """Issue 52 item 1 on Ray: `distrib-tf-sweep --engine=ray`, each trial a Ray Train run of
+    2 ranks (one per node) submitted through Ray's job API, the study a journal file on the
+    disk both nodes see. The sweep is SIGKILLed after the first trial's first epoch: its job
+    goes on (it is Ray's), and the same command follows it again. The grid's second trial
+    (a learning rate of 0) is pruned after its first epoch by the median of the first, on
+    both ranks, through the study; no trial runs twice."""
+    run, base, _ = cluster
+    sweep_dir = base / "storage" / "sweep"
+    args = ["-m", "distrib_tf.experiments.sweep", "--engine=ray", f"--ray_address=http://{netns.SUBNET}.1:8265",
+            "--workers_per_trial=2", f"--storage=journal:{base / 'storage' / 'study.log'}", f"--sweep_dir={sweep_dir}",
+            "--space=learning_rate=[0.05,0.0]", "--pruner=median", "--pruner_startup_trials=1",
+            "--metric=val_loss", "--mode=min", "--", "python", SWEPT, "--epochs=2"]
+    killed = run(args)
+    deadline = time.monotonic() + 300
+    while not (found := glob.glob(f"{sweep_dir}/trial-*/events.jsonl")):
+        assert time.monotonic() < deadline and killed.poll() is None, _finish(killed)[-5000:]
+        time.sleep(0.2)
+    while not any(e["event"] == "epoch" for e in events.read(found[0])):
+        assert time.monotonic() < deadline and killed.poll() is None, _finish(killed)[-5000:]
+        time.sleep(0.2)
+    killed.kill()
+    _finish(killed)
+    output = _finish(run(args))
+    assert re.search(r"trial 0 \{'learning_rate': 0.05\}: its job ray:\S+ followed again", output), output[-5000:]
+    assert "sweep: 2/2 ended (1 pruned, 0 failed)" in output, output[-5000:]
+    with open(sweep_dir / "results.csv", encoding="utf-8") as f:
+        rows = {float(row["learning_rate"]): row for row in csv.DictReader(f)}
+    assert {k: (r["status"], r["epochs"]) for k, r in rows.items()} == {
+        0.05: ("finished", "2"), 0.0: ("pruned", "1")}, output[-5000:]
+    with open(os.path.join(rows[0.0]["model_dir"], "trial.log"), encoding="utf-8") as f:
+        pruned = f.read()
+    for task in ("worker:0", "worker:1"):  # Both ranks, at one step, with the pruned code, not retried.
+        assert f"{task} pruned by the sweep after epoch 1: backed up step 16 like every worker" in pruned, pruned
+    assert "a rank exited 3: not retried" in pruned, pruned[-3000:]
+    with open(os.path.join(rows[0.05]["model_dir"], "trial.log"), encoding="utf-8") as f:
+        finished = f.read()
+    assert finished.count("$ ") == 1 and "resumes at step" not in finished, finished[-3000:]  # One job, once.
+    seen = {os.path.basename(os.path.dirname(p)) for p in glob.glob(f"{rows[0.05]['model_dir']}/seen/*/end.json")}
+    assert seen == {"worker_0", "worker_1"}, seen
+
+
 def _in_namespace(pid: int, namespace: str) -> bool:
     try:
         return os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/run/netns/{namespace}").st_ino
@@ -330,3 +380,17 @@ def test_an_elastic_run_loses_a_node_goes_on_with_one_and_ends_on_the_uninterrup
                                     checkpoint_arrays(reference_dir / "checkpoints" / "epoch010.weights.h5"))
     print(f"elastic: a node lost, the run went on with 1 worker: weights {difference:.2g} from 2 uninterrupted")
     assert difference <= 1e-10  # tests/test_train.py, LAYOUT_CASES (float64).
+
+
+def test_a_sweep_refuses_a_ray_address_without_a_job_api_in_one_line(tmp_path):
+    with socket.socket() as s:  # A port nothing listens on.
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "distrib_tf.experiments.sweep", "--engine=ray", f"--ray_address=http://127.0.0.1:{port}",
+         f"--storage=journal:{tmp_path}/study.log", f"--sweep_dir={tmp_path}/sweep", "--space=units=[4]",
+         "--", "python", SWEPT], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert result.returncode == exit_codes.USAGE and result.stdout == "", result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and (
+        f"Invalid value for `--ray_address`. Received: http://127.0.0.1:{port} (") in result.stderr, result.stderr
+    assert not (tmp_path / "sweep").exists()

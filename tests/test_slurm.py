@@ -6,16 +6,21 @@ starts (`scripts/slurm_local.sh`, SLURM_CONF set); the two-node cluster is start
 DISTRIB_TF_REQUIRE_SLURM=1 (CI), where they fail.
 """
 
+import csv
+import glob
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
+import postgres as postgres_lib
 from cluster_runner import QUIET_TF
+from distrib_tf import events
 from distrib_tf.cluster import ClusterSpecError
 from distrib_tf.deploy import slurm
 
@@ -211,3 +216,116 @@ def test_a_step_on_fewer_nodes_resumes_at_the_step_every_worker_backed_up(tmp_pa
     assert re.search(rf"(chief|worker):0 resumes at step {step} ", resumed.stdout), resumed.stdout[-3000:]
     summary = json.loads((model_dir / "summary.json").read_text())
     assert summary["workers"] == 1 and summary["resumed_at_step"] == step, summary
+
+
+SWEPT = os.path.join(ROOT, "tests", "workers", "swept_script.py")
+STATES = ("import json, sys, optuna; study = optuna.load_study(study_name='distrib_tf', storage=sys.argv[1]); "
+          "print(json.dumps([[t.number, t.state.name, t.user_attrs.get('job')] for t in study.trials]))")
+
+
+def _rows(sweep_dir) -> dict:
+    with open(os.path.join(sweep_dir, "results.csv"), encoding="utf-8") as f:
+        return {float(row["learning_rate"]): row for row in csv.DictReader(f)}
+
+
+def _text(path) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _weights(trial_dir) -> list:
+    with open(os.path.join(trial_dir, "seen", "worker_0", "end.json"), encoding="utf-8") as f:
+        return json.load(f)["weights"]
+
+
+@pytest.mark.engines  # make test-engines: a sweep of 4 two-node trials, SIGKILLed and started again.
+@pytest.mark.multiworker
+def test_a_sweep_on_two_nodes_killed_follows_its_jobs_again_and_runs_each_once(tmp_path, two_nodes):
+    """Issue 52 item 1 on Slurm: `distrib-tf-sweep --engine=slurm` on the two-node Slurm, the
+    study in PostgreSQL on node 1's address, each trial a batch job of 2 workers, one per
+    node, a median pruner. The sweep is SIGKILLed at trial 0's first epoch's end: its job goes on
+    (it is Slurm's); the same command started again follows it, then runs the rest. Every
+    trial ran once (one job each, never resubmitted), the learning rate of 0 is pruned
+    through the study, and trial 0 ends bit-identical to the same values on one host."""
+    try:
+        with postgres_lib.server(listen="10.81.0.1", netns="dtfslurm1", clients="10.81.0.0/24") as url:
+            _sweep_on_two_nodes(tmp_path, two_nodes, url)
+    except postgres_lib.Unavailable as e:
+        if os.environ.get("DISTRIB_TF_REQUIRE_POSTGRES") == "1":
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+
+
+def _sweep_on_two_nodes(tmp_path, two_nodes, url):
+    script = ["--", "python", SWEPT, "--epochs=2", "--float64"]  # Killed, its chief waits for the word: mid-trial.
+    args = [sys.executable, "-m", "distrib_tf.experiments.sweep", "--engine=slurm", "--workers_per_trial=2",
+            "--nodes_per_trial=2", f"--storage={url}", f"--sweep_dir={tmp_path}/sweep",
+            "--space=learning_rate=[0.05,0.02,0.001,0.0]", "--pruner=median", "--pruner_startup_trials=1",
+            "--metric=val_loss", "--mode=min", *script]
+    killed = subprocess.Popen([*two_nodes, *args], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    one_host = subprocess.Popen(  # Meanwhile, the same values on this host: the reference.
+        [sys.executable, "-m", "distrib_tf.experiments.sweep", f"--sweep_dir={tmp_path}/one_host",
+         "--space=learning_rate=[0.05]", "--metric=val_loss", "--mode=min", *script],
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not glob.glob(f"{tmp_path}/sweep/trial-*/events.jsonl"):
+            assert time.monotonic() < deadline and killed.poll() is None
+            time.sleep(0.2)
+        follower = events.Follower(glob.glob(f"{tmp_path}/sweep/trial-*/events.jsonl")[0])
+        while not any(e["event"] == "epoch" and e.get("task") == "worker:0" for e in follower()):  # Epoch 1 ended.
+            assert time.monotonic() < deadline and killed.poll() is None
+            time.sleep(0.1)
+        killed.kill()
+        killed.wait()
+        again = subprocess.run([*two_nodes, *args], env=ENV, capture_output=True, text=True, timeout=900)
+        reference, _ = one_host.communicate(timeout=300)
+    finally:
+        for proc in (killed, one_host):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert again.returncode == 0, (again.stdout + again.stderr)[-5000:]
+    assert one_host.returncode == 0, reference[-3000:]
+    assert re.search(r"trial 0 \{'learning_rate': 0.05\}: its job slurm:\d+ followed again", again.stdout), again.stdout
+    assert "sweep: 4/4 ended" in again.stdout and "0 failed" in again.stdout, again.stdout
+    rows = _rows(tmp_path / "sweep")
+    assert rows[0.05]["status"] == "finished" and rows[0.0]["status"] == "pruned", again.stdout
+    assert {row["status"] for row in rows.values()} <= {"finished", "pruned"}, again.stdout
+    for row in rows.values():  # One job a trial, its 2 workers on the 2 nodes.
+        log = _text(os.path.join(row["model_dir"], "trial.log"))
+        hosts = sorted(a.rpartition(":")[0] for a in _started_at(log))
+        assert hosts == ["dtf-n1", "dtf-n2"], log[-3000:]
+    pruned = _text(os.path.join(rows[0.0]["model_dir"], "trial.log"))
+    assert "worker:1 pruned by the sweep after epoch 1" in pruned, pruned[-3000:]
+    states = subprocess.run([*two_nodes, sys.executable, "-c", STATES, url], env=ENV, capture_output=True, text=True,
+                            timeout=120)
+    trials = json.loads(states.stdout)
+    assert len(trials) == 4 and {state for _, state, _ in trials} <= {"COMPLETE", "PRUNED"}, trials  # None twice.
+    assert len({job for _, _, job in trials}) == 4, trials
+    expected = _weights(os.path.dirname(glob.glob(f"{tmp_path}/one_host/trial-*/events.jsonl")[0]))
+    assert _weights(rows[0.05]["model_dir"]) == expected  # Bit for bit: the same arithmetic on two nodes.
+
+
+@pytest.mark.engines
+@pytest.mark.parametrize("flags, env, message", [
+    (["--engine=k8s"], {}, "argument --engine: invalid choice: 'k8s' (choose from 'local', 'slurm'"),
+    (["--engine=slurm"], {"PATH": os.path.dirname(sys.executable)},
+     "Invalid value for `--engine`. Received: slurm, but no sbatch, squeue, scontrol, scancel on PATH."),
+    (["--engine=slurm"], {}, "Invalid value for `--storage`. Received: sqlite:///{sweep}/study.db (the default) "
+                             "with --engine=slurm. Expected a study every node reaches"),
+    (["--engine=slurm", "--storage=sqlite:///{sweep}.db"], {}, "Received: sqlite:///{sweep}.db with --engine=slurm."),
+    (["--nodes_per_trial=2"], {}, "Invalid value for `--nodes_per_trial`. Received: 2. Expected it only with an "
+                                  "engine that spreads a trial over nodes"),
+])
+def test_a_sweep_refuses_an_engine_it_cannot_use_in_one_line(tmp_path, flags, env, message):
+    if "PATH" not in env and "slurm" in "".join(flags) and not shutil.which("sbatch"):
+        _need_slurm("needs Slurm's commands (apt-get install slurm-wlm)")
+    sweep_dir = tmp_path / "sweep"
+    result = subprocess.run(
+        [sys.executable, "-m", "distrib_tf.experiments.sweep", f"--sweep_dir={sweep_dir}", "--space=units=[4]",
+         *(flag.format(sweep=sweep_dir) for flag in flags), "--", "python", SWEPT],
+        capture_output=True, text=True, env={**ENV, **env}, timeout=60)
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and message.format(sweep=sweep_dir) in result.stderr, result.stderr
+    assert not sweep_dir.exists()  # Nothing started.

@@ -10,17 +10,14 @@ tests skip, except when DISTRIB_TF_REQUIRE_POSTGRES=1 (CI), where they fail.
 import csv
 import glob
 import os
-import pwd
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 
+import postgres as postgres_lib
 from cluster_runner import QUIET_TF
 from distrib_tf import events
 from distrib_tf.experiments import sweep
@@ -39,49 +36,14 @@ def _need_postgres(why: str):
     pytest.skip(why)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def postgres():
     """A PostgreSQL server of this module's own: its URL (user postgres, no password)."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    if not found:
-        _need_postgres("PostgreSQL is not installed (apt-get install -y postgresql)")
     try:
-        import psycopg  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-    except ImportError:
-        _need_postgres("psycopg is not installed (pip install -e '.[test]')")
-    binaries = os.path.dirname(found[-1])
-    scratch = tempfile.mkdtemp(prefix="distrib_tf_postgres_")
-    as_user = []
-    if os.geteuid() == 0:  # initdb refuses root: the server runs as the postgres user.
-        try:
-            user = pwd.getpwnam("postgres")
-        except KeyError:
-            shutil.rmtree(scratch)
-            _need_postgres("running as root without a postgres user to run the server as")
-        os.chown(scratch, user.pw_uid, user.pw_gid)
-        as_user = ["runuser", "-u", "postgres", "--"]
-    port, data = _free_port(), os.path.join(scratch, "data")
-    ctl = [*as_user, os.path.join(binaries, "pg_ctl"), "-D", data]
-    try:
-        subprocess.run([*as_user, os.path.join(binaries, "initdb"), "-D", data, "-A", "trust", "-U", "postgres"],
-                       check=True, capture_output=True, timeout=120)
-        subprocess.run([*ctl, "-o", f"-p {port} -k {scratch} -c listen_addresses=127.0.0.1 -c fsync=off",
-                        "-l", os.path.join(scratch, "server.log"), "-w", "start"], check=True, capture_output=True,
-                       timeout=120)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-        shutil.rmtree(scratch, ignore_errors=True)
-        _need_postgres(f"PostgreSQL did not start: {e} {getattr(e, 'stderr', b'')!r}")
-    try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
-    finally:
-        subprocess.run([*ctl, "-m", "fast", "-w", "stop"], capture_output=True, timeout=120)
-        shutil.rmtree(scratch, ignore_errors=True)
+        with postgres_lib.server() as url:
+            yield url
+    except postgres_lib.Unavailable as e:
+        _need_postgres(str(e))
 
 
 def _sweep(*args, timeout=600):
@@ -123,7 +85,7 @@ def _first_trial_events(sweep_dir, timeout: float = 90) -> str:
      "Cannot open the study for `--storage`. Received: postgresql+psycopg://me:***@127.0.0.1:"),
 ])
 def test_bad_storage_exits_2_in_one_line_and_starts_nothing(tmp_path, storage, message):
-    storage = storage.format(closed=_free_port())  # Nothing listens there: a server that does not answer.
+    storage = storage.format(closed=postgres_lib.free_port())  # Nothing listens there: a server that does not answer.
     started = time.monotonic()
     result = _sweep(f"--sweep_dir={tmp_path}/sweep", f"--storage={storage}", "--space=units=[4]", *ONE_WORKER,
                     "--", "python", SCRIPT, timeout=60)

@@ -78,6 +78,9 @@ def main_job_loop(config: dict) -> None:
     env[events.FD_ENV] = events.pipe_name(write_end)
     env[lifeline.PARENT_ENV] = str(os.getpid())  # The child gets SIGTERM if this Ray worker dies.
     program = [config["script"]] if config.get("script") else ["-m", "distrib_tf.train"]
+    task = f"worker:{json.loads(env['TF_CONFIG'])['task']['index']}"
+    # A sweep's trial: every rank appends its task's events to a file the sweep reads.
+    sink = open(config["events"], "a", encoding="utf-8") if config.get("events") else None  # pylint: disable=consider-using-with
     child = subprocess.Popen([sys.executable, *program, *config["argv"]], env=env,
                              pass_fds=(write_end,), start_new_session=True)
     os.close(write_end)
@@ -88,6 +91,9 @@ def main_job_loop(config: dict) -> None:
                 event = events.parse(line)
                 if event is None:
                     continue
+                if sink:
+                    sink.write(json.dumps({**event, "task": task}, default=str) + "\n")
+                    sink.flush()
                 if event["event"] == "epoch":
                     ray.train.report({"epoch": event["epoch"], **event["metrics"]})
                 elif event["event"] == "finished":
@@ -95,6 +101,8 @@ def main_job_loop(config: dict) -> None:
         code = child.wait()
     finally:
         _stop(child)
+        if sink:
+            sink.close()
     if code != exit_codes.OK:
         raise JobExit(code, rank)
     if finished is None:
@@ -259,6 +267,8 @@ def main(argv=None) -> int:
     parser.add_argument("--name", default="distrib_tf", help="the run's name under --storage_path")
     parser.add_argument("--script", default=None,
                         help="a user's script on distrib_tf.Run instead of the main job; the flags go to it")
+    parser.add_argument("--events", default=None, help="append every rank's events (JSON lines, "
+                        "distrib_tf.events) to FILE, on a disk every node sees (a sweep's trial)")
     parser.add_argument("job_flags", nargs="*", help="-- flags for the main job (or the script)")
     args = parser.parse_args(argv)
     try:
@@ -286,7 +296,8 @@ def main(argv=None) -> int:
         return exit_codes.USAGE
     try:
         result = trainer(main_job_loop, num_workers=num_workers,
-                         config={"argv": args.job_flags, "script": args.script and os.path.abspath(args.script)},
+                         config={"argv": args.job_flags, "script": args.script and os.path.abspath(args.script),
+                                 "events": args.events and os.path.abspath(args.events)},
                          storage_path=args.storage_path,
                          name=args.name, max_failures=args.max_failures,
                          cpus_per_worker=args.cpus_per_worker).fit()

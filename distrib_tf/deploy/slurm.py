@@ -225,10 +225,12 @@ def parse_nodes(text: str) -> tuple[int, int]:
 
 
 def batch_script(spec: ClusterSpec | None, *, command: list[str], job_name: str = "distrib_tf",
-                 nodes: tuple[int, int] | None = None, tasks_per_node: int = 1) -> str:
+                 nodes: tuple[int, int] | None = None, tasks_per_node: int = 1,
+                 launcher_options: tuple[str, ...] = ()) -> str:
     """An `sbatch` script running one Slurm task per training task of `spec`, or, with
     `nodes=(MIN, MAX)`, `tasks_per_node` tasks on each node of whatever allocation in that
-    range Slurm grants (each requeue may get another size).
+    range Slurm grants (each requeue may get another size). `launcher_options` go to each
+    task's `distrib-tf-launch` (a sweep's trial adds `--events=FILE` on a shared disk).
 
     Raises:
         ValueError: a `job_name` that is not letters, digits, `_`, `.` or `-` (it goes into
@@ -268,8 +270,9 @@ def batch_script(spec: ClusterSpec | None, *, command: list[str], job_name: str 
         f"# --kill-on-bad-exit would for an exit {exit_codes.PREEMPTED}, while the others still back up).",
         "# SIGTERM (120 s before a time limit or a preemption) makes every worker back up one",
         f"# agreed step and exit {exit_codes.PREEMPTED}; the job then requeues itself and resumes at that step.",
-        f"srun --wait={SIGNAL_SECONDS} distrib-tf-launch --slurm --grace_period={launcher_grace(SIGNAL_SECONDS)} -- "
-        + shlex.join(command),
+        f"srun --wait={SIGNAL_SECONDS} "
+        + shlex.join(["distrib-tf-launch", "--slurm", f"--grace_period={launcher_grace(SIGNAL_SECONDS)}",
+                      *launcher_options, "--", *command]),
         "code=$?",
         f'if [ "$code" -eq {exit_codes.PREEMPTED} ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
         'exit "$code"',

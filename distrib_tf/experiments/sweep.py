@@ -36,6 +36,14 @@ and pruned trials stay, an interrupted one resumes from its backups at its step 
 earlier launcher has stopped, the sampler goes on (seeded by the trials so far), and a grid
 runs in the order written. Trials side by side take disjoint local ranks of the host (so
 GPUs and CPUs); values drawn again while their trial runs wait for its result.
+With `--engine=slurm` each trial is instead a Slurm batch job, the one
+`distrib-tf-export slurm` writes (`--workers_per_trial` tasks, over `--nodes_per_trial`
+nodes), submitted, followed and cancelled through Slurm's commands; with `--engine=ray`, a
+`distrib-tf-ray` run submitted through Ray's job API at `--ray_address`
+(`distrib_tf.experiments.sweep_engines`). The study must then be one every node reaches
+(PostgreSQL, or a journal file on a shared disk: SQLite is refused), and so must
+`--sweep_dir`. Killed, such a sweep leaves its jobs running (they are the engine's): the
+same command follows them again; Ctrl-C or SIGTERM cancels them.
 A trial that fails for its own reason (a NaN, a bad value) is recorded with its cause and
 the sweep goes on. Results (`distrib_tf.experiments.sweep_results`): `results.csv`, a live
 line, and `sweep.png`. Bad input (a bad `--storage`, a database that does not answer in
@@ -59,6 +67,7 @@ from distrib_tf import events
 from distrib_tf import exit_codes
 from distrib_tf import study as study_lib
 from distrib_tf.cluster import ClusterSpec
+from distrib_tf.experiments import sweep_engines
 from distrib_tf.experiments import sweep_results
 from distrib_tf.experiments.sweep_args import check_positive
 from distrib_tf.experiments.sweep_args import command_of
@@ -89,7 +98,7 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
     told to back up and stop, and stopped), 75 for a SIGTERM that every trial saved on, else 130.
     """
     optuna = optuna_module()
-    done, retry = leftovers(study, optuna)
+    done, retry, adopted = leftovers(study, optuna, engine=sweep.engine and sweep.engine.name)
     for values in retry:
         study.enqueue_trial(values)
     ended = {sweep_results.trial_id(t.params): (t.state.name, t.value, t.number) for t in done}
@@ -100,7 +109,7 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
     received: list[int] = []
     codes: list[int] = []  # The exit codes of the trials the sweep's interruption stopped.
 
-    def objective(asked, slot):
+    def objective(asked, slot, followed=None):
         values = suggest(asked, sweep.space)
         trial = Trial(asked.number, values, os.path.join(sweep.sweep_dir, f"trial-{sweep_results.trial_id(values)}"))
         with changed:  # A sampler may draw the values of a trial under way: never two runs of them at once.
@@ -124,31 +133,39 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
                 raise TrialFailed()
             return value
         try:
-            return run_trial(asked, trial, slot)
+            return run_trial(asked, trial, slot, followed)
         finally:
             with changed:
                 del busy[trial.id]
                 changed.notify_all()
 
-    def run_trial(asked, trial, slot):
+    def run_trial(asked, trial, slot, followed):
         asked.set_user_attr("dir", trial.model_dir)
         resumed = os.path.isdir(os.path.join(trial.model_dir, "backup"))
         for key, word in words_said(study, trial.id).items():  # Its interrupted attempts' words stand.
             trial.words[key] = word
             asked.set_user_attr(key, word)
-        wait_for_earlier(trial.model_dir, say=sweep.say, stopping=stopping)
+        job = followed and followed.user_attrs["job"]
+        if followed:  # A job an earlier sweep submitted: the words it said on it stand.
+            trial.words.update((k, v) for k, v in followed.user_attrs.items() if k.startswith("prune:"))
+            trial.reported.update(followed.intermediate_values)
+        if sweep.engine is None:
+            wait_for_earlier(trial.model_dir, say=sweep.say, stopping=stopping)
         with lock:
             if stopping.is_set():
                 raise TrialFailed("the sweep was interrupted")
-            sweep.launch(trial, slot)
+            if sweep.engine is None:
+                sweep.launch(trial, slot)
+            else:
+                trial.submitted = followed.datetime_start.timestamp() if followed else time.time()
+                trial.job = job or submit(asked, trial)
+                trial.started, trial.status = time.monotonic(), "running"
             running[asked.number] = trial
-        board.started(trial, resumed)
-        follower = events.Follower(os.path.join(trial.model_dir, "events.jsonl"))
-        while trial.proc.poll() is None:
-            sweep.follow(trial, asked, follower, board)
-            time.sleep(0.2)
-        sweep.follow(trial, asked, follower, board)
-        code = trial.proc.returncode
+        if followed:
+            board.followed(trial)
+        else:
+            board.started(trial, resumed)
+        code = follow_until_end(asked, trial)
         with lock:
             del running[asked.number]
         seconds = time.monotonic() - trial.started
@@ -176,12 +193,54 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
             raise TrialFailed(trial.cause)
         return best
 
+    def submit(asked, trial):
+        try:
+            job = sweep.engine.submit(trial, sweep)
+        except sweep_engines.EngineError as e:
+            trial.status, trial.cause = "failed", str(e)
+            asked.set_user_attr("cause", trial.cause)
+            raise TrialFailed(trial.cause) from e
+        asked.set_user_attr("job", job)  # Before anything else: a sweep started again follows it.
+        sweep_engines.record_job(trial.model_dir, job)
+        return job
+
+    def follow_until_end(asked, trial) -> int:
+        """Follows the trial's events until its launcher or job ends: its exit code. A job on an
+        engine is asked for its state every few seconds, and cancelled once the sweep stops."""
+        follower = events.Follower(os.path.join(trial.model_dir, "events.jsonl"))
+        code, asked_at, cancelled = None, 0.0, 0.0
+        while True:
+            if sweep.engine is None:
+                code = trial.proc.poll()
+            else:
+                if stopping.is_set() and not cancelled:
+                    cancelled = time.time()
+                    try:
+                        sweep.engine.cancel(trial.job)
+                    except sweep_engines.EngineError as e:
+                        sweep.say(f"trial {trial.number}: {e}")
+                if time.monotonic() - asked_at >= sweep_engines.POLL_SECONDS:
+                    asked_at = time.monotonic()
+                    try:
+                        code = sweep.engine.poll(trial.job, trial.model_dir)
+                    except sweep_engines.EngineError:
+                        code = None  # The engine busy: asked again.
+            if code is not None:
+                break
+            sweep.follow(trial, asked, follower, board)
+            time.sleep(0.2)
+        sweep.follow(trial, asked, follower, board)
+        if code == sweep_engines.GONE or (cancelled and code):  # What its tasks' launchers said, this job.
+            code = sweep_engines.exit_code_from_events(trial.model_dir, since=cancelled or trial.submitted)
+        return code
+
     def interrupt(signum, frame):
         stopping.set()
         received.append(signum)
         with lock:
             for trial in running.values():
-                os.killpg(trial.proc.pid, signal.SIGTERM)  # Every worker backs up one step, then stops.
+                if trial.proc is not None:  # On an engine, its follower cancels the job.
+                    os.killpg(trial.proc.pid, signal.SIGTERM)  # Every worker backs up one step, then stops.
 
     left = [total - len(done)]  # Trials still to ask for.
     asking = threading.Lock()
@@ -195,15 +254,17 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
                 if left[0] <= 0 or stopping.is_set():
                     return
                 left[0] -= 1
-                asked = study.ask()
+                followed = adopted.pop(0) if adopted else None  # A job an earlier sweep submitted.
+                asked = optuna.trial.Trial(study, followed._trial_id) if followed else study.ask()  # pylint: disable=protected-access
             try:
-                study.tell(asked, objective(asked, slot))
+                study.tell(asked, objective(asked, slot, followed))
             except optuna.TrialPruned:
                 study.tell(asked, state=optuna.trial.TrialState.PRUNED)
             except TrialFailed:
                 study.tell(asked, state=optuna.trial.TrialState.FAIL)
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    parallel = max(parallel, min(len(adopted), left[0]))  # Every job still on the engine is followed.
     try:
         if left[0] > 0:
             board.start(total, len(done))
@@ -236,19 +297,35 @@ def main(argv: list[str] | None = None) -> int:
         if args.sampler != "grid" and args.trials is None:
             raise ValueError(f"Missing `--trials` for --sampler={args.sampler}. Expected a budget >= 1.")
         total = min(grid_size(space), args.trials or math.inf) if args.sampler == "grid" else args.trials
-        slots = len(ClusterSpec.load(args.cluster_spec).local_tasks())
+        check_positive(args.nodes_per_trial, "--nodes_per_trial")
+        off_host = args.engine != "local"
+        spec = ClusterSpec.load(args.cluster_spec)
+        slots = spec.num_workers if off_host else len(spec.local_tasks())
         if not slots:
             raise ValueError(f"No task of {args.cluster_spec} lives on this host. Expected a local spec "
                              "for sweep trials, such as local_2workers.")
         per_trial = args.workers_per_trial or slots
-        if per_trial > slots:
+        if per_trial > slots and not off_host:
             raise ValueError(f"Invalid value for `--workers_per_trial`. Received: {per_trial}. Expected at most "
                              f"the {slots} local tasks of {args.cluster_spec}.")
+        engine = sweep_engines.make_engine(args.engine, workers=per_trial, nodes=args.nodes_per_trial or 0,
+                                           ray_address=args.ray_address)
         script = command[1] if not main_job and command[0] == sys.executable and len(command) > 1 else ""
         if script.endswith(".py") and not os.path.exists(script):
             raise ValueError(f"Cannot find the script {script}. Expected -- python PATH/TO/SCRIPT.py.")
+        if args.engine == "ray" and not main_job and not script.endswith(".py"):
+            raise ValueError(f"Invalid value for `COMMAND` with --engine=ray. Received: {shlex.join(command)}. "
+                             "Expected -- python PATH/TO/SCRIPT.py (distrib-tf-ray runs a Python script or the "
+                             "main job).")
+        if script.endswith(".py") and off_host:  # The engine's tasks start elsewhere.
+            command[1] = os.path.abspath(script)
         optuna_module()
         url = study_lib.parse_url(args.storage) if args.storage else study_lib.default_url(args.sweep_dir)
+        if off_host and url.startswith("sqlite:"):
+            raise ValueError(f"Invalid value for `--storage`. Received: {study_lib.hide_password(url)}"
+                             f"{'' if args.storage else ' (the default)'} with --engine={args.engine}. Expected "
+                             "a study every node reaches: postgresql+psycopg://USER@HOST:PORT/DATABASE, or "
+                             "journal:PATH on a disk every node shares.")
         if not args.storage:
             os.makedirs(args.sweep_dir, exist_ok=True)
         study = open_study(args.sweep_dir, space, sampler=args.sampler, seed=args.seed, mode=args.mode,
@@ -258,16 +335,23 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # ClusterSpecError included.
         print(f"distrib-tf-sweep: error: {e}", file=sys.stderr)
         return exit_codes.USAGE
-    parallel = min(slots // per_trial, args.parallel or slots)
-    shares = bool(args.workers_per_trial and per_trial < slots)  # Trials side by side on the slots.
-    where = [f"--workers={per_trial}"] if shares else [f"--cluster_spec={args.cluster_spec}"]
+    if off_host:
+        parallel, shares, where = args.parallel or 1, False, []
+        placed = (f"as {args.engine} jobs of {per_trial} worker(s)"
+                  + (f" on {args.nodes_per_trial} nodes" if args.nodes_per_trial else ""))
+    else:
+        parallel = min(slots // per_trial, args.parallel or slots)
+        shares = bool(args.workers_per_trial and per_trial < slots)  # Trials side by side on the slots.
+        where = [f"--workers={per_trial}"] if shares else [f"--cluster_spec={args.cluster_spec}"]
+        placed = f"on {per_trial} of the {slots} slots of {args.cluster_spec} each"
     os.makedirs(args.sweep_dir, exist_ok=True)
     program = "the main job" if main_job else shlex.join(argparsing.command_after(args.command))
     print(f"sweep: {args.sampler} over {[d.name for d in space]} of {program}, {total} trial(s), {parallel} at a "
-          f"time on {per_trial} of the {slots} slots of {args.cluster_spec} each; pruner {args.pruner}; "
-          f"study {args.study_name!r} in {study_lib.hide_password(url)}", flush=True)
-    sweep = Sweep(space, args.sweep_dir, command, where, args.metric, args.mode, args.pruner != "none",
-                  storage=url, study_name=args.study_name, workers=per_trial if shares else 0, parallel=parallel)
+          f"time {placed}; pruner {args.pruner}; study {args.study_name!r} in {study_lib.hide_password(url)}",
+          flush=True)
+    sweep = Sweep(space, os.path.abspath(args.sweep_dir) if off_host else args.sweep_dir, command, where,
+                  args.metric, args.mode, args.pruner != "none", storage=url, study_name=args.study_name,
+                  workers=per_trial if shares else 0, parallel=parallel, engine=engine)
     board = sweep_results.Board(args.metric, args.mode, sys.stdout)
     sweep.say = board.say
     code = run_sweep(study, sweep, total=total, parallel=parallel, board=board)

@@ -8,6 +8,7 @@ import shlex
 import sys
 
 from distrib_tf import argparsing
+from distrib_tf.experiments import sweep_engines
 from distrib_tf.experiments.sweep_space import SWEEPABLE
 from distrib_tf.experiments.sweep_study import PRUNERS
 
@@ -52,14 +53,24 @@ def parse_args(argv: list[str]):
     parser.add_argument("--pruner_warmup_epochs", type=int, default=0,
                         help="median: epochs before a trial can be pruned; halving, hyperband: the "
                              "first rung's epochs (default: 0, i.e. 1)")
+    parser.add_argument("--engine", default="local", choices=sweep_engines.ENGINES,
+                        help="where trials run: local (this host's slots), slurm (each trial a batch job "
+                             "of `distrib-tf-export slurm`, through sbatch, squeue, scontrol and scancel) or ray "
+                             "(each a Ray Train run of distrib-tf-ray, through Ray's job API); off the host, the "
+                             "study in PostgreSQL or a shared journal file")
+    parser.add_argument("--ray_address", help="--engine=ray: the Ray cluster's dashboard, whose job API takes "
+                        "the trials (default: RAY_ADDRESS, else a cluster on this host)")
+    parser.add_argument("--nodes_per_trial", type=int, help="--engine=slurm: spread each trial's workers over "
+                        "this many nodes (default: where Slurm puts them)")
     parser.add_argument("--cluster_spec", default="local_2workers",
                         help="the slots: the local tasks of a spec file or a shipped spec's name "
                              "(default: local_2workers)")
     parser.add_argument("--workers_per_trial", type=int,
                         help="workers of each trial, on 127.0.0.1 (default: every task of the spec, "
-                             "one trial at a time)")
+                             "one trial at a time; on an engine: the spec's task count)")
     parser.add_argument("--parallel", type=int,
-                        help="at most this many trials at once (default: as many as the slots hold)")
+                        help="at most this many trials at once (default: as many as the slots hold; on an "
+                        "engine: 1)")
     parser.add_argument("--sweep_dir", default="runs/sweep", help="trials and results go there (default: runs/sweep)")
     parser.add_argument("--storage", help="the study: sqlite:///PATH (default: SWEEP_DIR/study.db), "
                         "postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE, or journal:PATH (a file on a "

@@ -206,6 +206,11 @@ class Board:
         self._running[trial.number] = trial
         self.say(f"trial {trial.number} {trial.values}: {'resumed' if resumed else 'started'} in {trial.model_dir}")
 
+    def followed(self, trial) -> None:
+        """A trial whose job an earlier sweep submitted, followed again on its engine."""
+        self._running[trial.number] = trial
+        self.say(f"trial {trial.number} {trial.values}: its job {trial.job} followed again in {trial.model_dir}")
+
     def epoch(self, trial, epoch: int, value: float, *, fit: int = 1) -> None:
         which = f"fit {fit} " if fit > 1 else ""
         self.say(f"trial {trial.number} {which}epoch {epoch}/{trial.epochs or '?'}: {self.metric} {value:.4f}")

@@ -73,22 +73,28 @@ def open_study(sweep_dir: str, space: list[Dimension], *, sampler: str, seed: in
     return study
 
 
-def leftovers(study, optuna) -> tuple[list, list[dict]]:
-    """The trials that count against the budget, and the values of interrupted ones to run
-    again. A trial left running by a sweep that was killed is told failed (it has no cause:
-    interrupted), and its values run again, resumed from their backups."""
+def leftovers(study, optuna, *, engine: str | None = None) -> tuple[list, list[dict], list]:
+    """The trials that count against the budget, the values of interrupted ones to run
+    again, and the running trials to follow again. A trial left running by a sweep that was
+    killed is told failed (it has no cause: interrupted), and its values run again, resumed
+    from their backups; on an `engine` (its name), a running trial whose job that engine
+    runs (`job` user attribute `ENGINE:ID`) is left running: the sweep follows its job."""
     states = optuna.trial.TrialState
+    followed = []
     for old in study.get_trials(deepcopy=False, states=(states.RUNNING,)):
-        study.tell(old.number, state=states.FAIL)
+        if engine and str(old.user_attrs.get("job", "")).startswith(f"{engine}:"):
+            followed.append(old)
+        else:
+            study.tell(old.number, state=states.FAIL)
     trials = study.get_trials(deepcopy=False)
     done = [t for t in trials if t.state in (states.COMPLETE, states.PRUNED)
             or (t.state == states.FAIL and "cause" in t.user_attrs)]
-    covered = [t.params for t in done] + [t.params for t in trials if t.state == states.WAITING]
+    covered = [t.params for t in done + followed] + [t.params for t in trials if t.state == states.WAITING]
     retry = []
     for t in trials:
         if t.state == states.FAIL and "cause" not in t.user_attrs and t.params not in covered + retry and t.params:
             retry.append(t.params)
-    return done, retry
+    return done, retry, followed
 
 
 def words_said(study, trial_id: str) -> dict:

@@ -45,11 +45,14 @@ class Trial:
     curve: dict = dataclasses.field(default_factory=dict)  # Step -> the metric, from the events.
     steps: dict = dataclasses.field(default_factory=dict)  # (fit, epoch) -> step (`sweep_results.step_of`).
     words: dict = dataclasses.field(default_factory=dict)  # The words said on it (`distrib_tf.study`).
+    reported: set = dataclasses.field(default_factory=set)  # Steps Optuna holds (a followed job's, before).
     at: tuple = (1, 0)  # The (fit, epoch) of its last epoch event.
     logged: tuple = ()  # The metrics its chief's epochs log, for a metric they do not.
     epochs: int = 0
     step: str = ""
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | None = None  # Its launcher, on this host's slots.
+    job: str = ""  # Its job, on an engine (`distrib_tf.experiments.sweep_engines`).
+    submitted: float = 0.0  # When its job was submitted (Unix seconds).
     started: float = 0.0
 
     @property
@@ -77,6 +80,7 @@ class Sweep:
     study_name: str = "distrib_tf"
     workers: int = 0  # Of each trial when trials share the host's slots (`--workers`), else 0.
     parallel: int = 1
+    engine: object = None  # Where trials run off this host (`sweep_engines`), or None: the host's slots.
 
     def placement(self, slot: int) -> list[str]:
         """The launcher's flags for the trial on the `slot`-th group of slots: trials side by side
@@ -123,7 +127,8 @@ class Sweep:
             usable = value is not None and math.isfinite(value)
             if usable:
                 trial.curve[step] = value
-                asked.report(value, step)
+                if step not in trial.reported:  # A job followed again: what the earlier sweep reported stands.
+                    asked.report(value, step)
                 board.epoch(trial, epoch, value, fit=fit)
             key = study_lib.word_key(fit, epoch)
             if self.prunes and key not in trial.words:  # An epoch of an earlier attempt keeps its word.
