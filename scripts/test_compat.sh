@@ -63,7 +63,7 @@ for minor in $minors; do
   if [ "$minor" = "$oldest" ]; then
     chosen+=("${oldest_tests[@]}")
   fi
-  if ! PYTHONPATH="$PWD" "$env/bin/python" -m pytest -q -p no:cacheprovider "${chosen[@]}" "$@"; then
+  if ! PYTHONPATH="$PWD" "$env/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "${chosen[@]}" "$@"; then
     failed+=("$version")
   fi
 done

@@ -72,7 +72,7 @@ print(f"TensorFlow {tf.__version__}, Keras {keras.__version__}")' 2>/dev/null)
     failed+=("$versions (pip install -e . replaces $replaced)")
     continue
   fi
-  if PYTHONPATH="$PWD" "$env/bin/python" -m pytest -q -p no:cacheprovider --durations=5 "${tests[@]}" "$@"; then
+  if PYTHONPATH="$PWD" "$env/bin/python" -m pytest -q -p no:cacheprovider --durations=5 -n 2 --dist loadfile "${tests[@]}" "$@"; then
     passed+=("2.$minor")
   else
     failed+=("$versions")

@@ -13,6 +13,8 @@ import time
 from distrib_tf.cluster import ClusterSpec
 
 QUIET_TF = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE_RUNNER = os.path.join(ROOT, "tests", "workers", "run_example.py")
 
 
 @dataclasses.dataclass
@@ -151,3 +153,32 @@ def run_script(script: str, model_dir, *args, env: dict, timeout: float = 240):
                             text=True, timeout=timeout, env=env)
     found = re.search(r"^RESULT (\{.*\})$", result.stdout, re.M)
     return result.returncode, result.stdout + result.stderr, json.loads(found.group(1)) if found else None
+
+
+def run_example(cwd, script, *args, workers: int = 2, timeout: float = 300):
+    """A user's script run by `tests/workers/run_example.py` in `cwd`, through the launcher on
+    `workers` workers (0: one process, no launcher): `(exit code, output, {task: what it printed})`,
+    the task `single` for one process."""
+    command = [sys.executable, EXAMPLE_RUNNER, script, *map(str, args)]
+    if workers:
+        command = [sys.executable, "-m", "distrib_tf.launch", f"--workers={workers}", "--", *command]
+    env = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    text = result.stdout + result.stderr
+    results = dict(re.findall(r"(?:\[(worker:\d)\] )?EXAMPLE (\{.*\})", text))
+    return result.returncode, text, {task or "single": json.loads(found) for task, found in results.items()}
+
+
+def preempt_and_resume(cwd, script, *args, step: int, timeout: float = 300):
+    """`script` on 2 workers, SIGTERMed on worker:1 once it has taken `step` steps (exit 75),
+    then started again in `cwd` to its end: `(the step every worker backed up, the restarted
+    run's `run_example` results)`. Fails unless both workers agreed on one step and resumed there."""
+    code, text, _ = run_example(cwd, script, *args, f"--sigterm_at_step={step}", timeout=timeout)
+    assert code == 75, (step, text[-3000:])
+    saved = {int(s) for s in re.findall(r"preempted: backed up step (\d+) like every worker", text)}
+    assert len(saved) == 1, (step, text[-3000:])
+    saved_step = saved.pop()
+    code, text, resumed = run_example(cwd, script, *args, timeout=timeout)
+    assert code == 0, text[-3000:]
+    assert len(re.findall(rf"worker:\d resumes at step {saved_step} ", text)) == 2, text[-3000:]
+    return saved_step, resumed

@@ -289,3 +289,17 @@ def test_a_dataset_larger_than_memory_trains_with_the_memory_of_a_small_one(tmp_
                        "peak_rss_1gib": small_rss}, f)
     for big, small in zip(large_rss, small_rss):
         assert big <= small + 256 * 2**20, (large_rss, small_rss)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_an_epoch_of_uneven_steps_reads_every_example_once_in_shares_one_apart(replicas):
+    """Keras's steps: 11 examples in batches of 5 are steps of 5, 5 and 1; each step's rows
+    split over the replicas in shares at most one apart (empty ones where rows are fewer),
+    and each epoch, shuffled, reads every example once."""
+    ids = list(order.replica_batches(num_examples=11, steps_per_epoch=3, global_batch_size=5, replicas=replicas,
+                                     seed=3).take(2 * 3 * replicas).as_numpy_iterator())
+    steps = [ids[s * replicas:(s + 1) * replicas] for s in range(6)]
+    assert [sum(len(share) for share in step) for step in steps] == [5, 5, 1] * 2
+    assert all(max(map(len, step)) - min(map(len, step)) <= 1 for step in steps)
+    for epoch in (0, 1):
+        assert sorted(np.concatenate([i for step in steps[3 * epoch:3 * epoch + 3] for i in step])) == list(range(11))

@@ -112,14 +112,15 @@ def test_sigterm_outside_training_batches_exits_75_and_the_job_resumes(tmp_path,
     assert f"{phase}: asked for SIGTERM" in output, output[-3000:]  # The fault happened, in that phase.
     assert preempted.returncode == 75, output[-3000:]
     saved = dict(re.findall(r"(worker:\d) preempted: (backed up step \d+|the backups are as they were)", output))
-    expected = "the backups are as they were" if phase == "start-up" else f"backed up step {2 * PHASE_STEPS}"
+    last = 2 * PHASE_STEPS - (phase == "validation")  # In an epoch's end: the step before its last.
+    expected = "the backups are as they were" if phase == "start-up" else f"backed up step {last}"
     assert expected in saved.values(), output[-3000:]
     resumed = _run_command(job("-m", "distrib_tf.train"))
     resumes = sorted(re.findall(r"(worker:\d) resumes at step (\d+)", resumed))
     if phase == "start-up":
         assert resumes == [], resumed[-3000:]
-    else:  # Training was done: the restart evaluates and exports, it trains nothing again.
-        assert resumes == [("worker:0", str(2 * PHASE_STEPS)), ("worker:1", str(2 * PHASE_STEPS))], resumed[-3000:]
+    else:  # Training was done (or all but the last epoch's last step and end): the restart ends it.
+        assert resumes == [("worker:0", str(last)), ("worker:1", str(last))], resumed[-3000:]
     assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "serving").is_dir()
 
 
@@ -153,8 +154,8 @@ def test_sigterm_to_one_worker_in_validation_ends_every_worker_with_75(tmp_path)
     finally:
         kill_left(procs)
     assert [p.returncode for p in procs] == [75, 75], [o[-2000:] for o in outputs]
-    for output in outputs:
-        assert re.search(rf"worker:\d preempted: backed up step {2 * PHASE_STEPS} like every worker", output), (
+    for output in outputs:  # The step before the epoch's last: the restart makes the epoch's end.
+        assert re.search(rf"worker:\d preempted: backed up step {2 * PHASE_STEPS - 1} like every worker", output), (
             output[-2000:])
 
 

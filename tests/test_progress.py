@@ -3,11 +3,15 @@
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
+from cluster_runner import check_ok
+from cluster_runner import local_spec
+from cluster_runner import run_cluster
 from distrib_tf import events
 from distrib_tf.keras.progress import stragglers
 from distrib_tf.launch import console
@@ -142,6 +146,29 @@ def test_a_slowed_worker_is_named_a_straggler_once(tmp_path):
     flagged = [e for e in events.read(str(stream)) if e["event"] == "straggler"]
     assert {e["task"] for e in flagged} == {"worker:0", "worker:1"}
     assert {e["straggler"] for e in flagged} == {"worker:1"}
+
+
+@pytest.mark.multiworker
+def test_keras_progress_bars_of_fit_evaluate_and_predict_come_from_the_chief_alone(tmp_path):
+    """A script's `fit`, `evaluate` and `predict` with `verbose=1` under a live run on 2
+    workers (`tests/workers/verbose_user.py`): the chief prints Keras's progress bars; worker:1
+    prints no bar (no `\\r`, ANSI or backspaces): one line an epoch of `fit` (every worker speaks
+    in these tests: DISTRIB_TF_VERBOSE=1), nothing for `evaluate` and `predict` (which printed
+    Keras's bars there too)."""
+    results = check_ok(run_cluster([os.path.join(ROOT, "tests", "workers", "verbose_user.py"), tmp_path / "run"],
+                                   spec=local_spec(2), env={"PYTHONPATH": ROOT}, timeout=240))
+    said = {}
+    for result in results:
+        parts = re.split(r"^== (fit|evaluate|predict|end)\n", result.output, flags=re.M)
+        said[result.task] = dict(zip(parts[1::2], parts[2::2]))
+    chief, other = said["worker:0"], said["worker:1"]
+    for name in ("fit", "evaluate", "predict"):
+        assert "4/4" in chief[name] and "\x1b[" in chief[name], (name, chief)  # Keras's own bars.
+    assert other["evaluate"] == other["predict"] == "", other
+    lines = other["fit"].splitlines()
+    assert [line.split(" loss=")[0].split(" epoch_seconds")[0] for line in lines] == [
+        "worker:1 epoch 1/2", "worker:1 epoch 2/2"], other
+    assert not any(c in other["fit"] for c in "\r\x1b\x08"), other
 
 
 def test_events_go_only_to_the_pipe_the_variable_names():

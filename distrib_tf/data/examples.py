@@ -51,6 +51,8 @@ class Examples:
             once per input pipeline, inside it.
         fingerprint: what must match for a backup of a run on these examples to resume.
         info: the dataset's description, where it has one (for a model builder).
+        full_batches: an epoch is its full global batches only (the main job's); else every
+            example, the last batch holding the rest, as Keras's `fit` trains arrays.
     """
 
     name: str
@@ -58,9 +60,12 @@ class Examples:
     make_reader: Callable
     fingerprint: str = ""
     info: registry.DatasetInfo | None = None
+    full_batches: bool = False
 
     def steps_per_epoch(self, global_batch_size: int) -> int:
-        """Full global batches in one pass: the same on every worker."""
+        """Global batches in one pass (`⌈N / B⌉`, or `⌊N / B⌋` with `full_batches`)."""
+        if not self.full_batches:
+            return -(-self.num_examples // global_batch_size)
         steps = self.num_examples // global_batch_size
         if steps < 1:
             raise ValueError(f"Invalid value for argument `global_batch_size`. Received: {global_batch_size}. "
@@ -198,14 +203,35 @@ def _digest(arrays) -> str:
     """Shapes, dtypes and the first MiB of every array: cheap, and changes with the data."""
     digest = hashlib.sha256()
     for array in arrays:
+        if isinstance(array, tf.RaggedTensor):  # Its rows' lengths, then its values.
+            digest.update(array.row_splits.numpy().tobytes())
+            array = array.flat_values.numpy()
         digest.update(f"{array.shape}{array.dtype}".encode())
         digest.update(np.ascontiguousarray(array.reshape(-1)[: (1 << 20) // max(array.itemsize, 1)]).tobytes())
     return digest.hexdigest()[:16]
 
 
+def as_array(leaf):
+    """An array of rows as a run reads it: a `tf.RaggedTensor` stays one (rows of any
+    length), `None` stays `None` (a model's optional input, as Keras passes it), anything
+    else becomes a NumPy array."""
+    if leaf is None or isinstance(leaf, tf.RaggedTensor):
+        return leaf
+    return np.asarray(leaf)
+
+
+def num_rows(array) -> int | None:
+    """Rows of an `as_array` leaf; `None` for `None` or a scalar."""
+    if array is None:
+        return None
+    if isinstance(array, tf.RaggedTensor):
+        return int(array.nrows())
+    return array.shape[0] if array.ndim else None
+
+
 def _as_arrays(structure, what: str):
     try:
-        return tf.nest.map_structure(np.asarray, structure)
+        return tf.nest.map_structure(as_array, structure)
     except (TypeError, ValueError) as e:
         raise TypeError(f"Invalid value for argument `{what}`. Received: {type(structure).__name__}. "
                         "Expected an array, or a dict of arrays with one row per example.") from e
@@ -215,7 +241,8 @@ def from_arrays(x: Any, y: Any = None, *, sample_weight: Any = None, name: str =
     """Examples held in memory: row `i` of every array is example `i`.
 
     Args:
-        x: an array, or a dict (or tuple) of arrays: a model with several inputs.
+        x: an array, or a dict (or tuple) of arrays: a model with several inputs (a
+            `tf.RaggedTensor` of rows of any length, `None` for an optional one).
         y: the targets: an array of any dtype, a dict of arrays (several outputs), or `None`.
         sample_weight: one weight per example (Keras's `sample_weight`), or `None`.
         name: for messages.
@@ -229,19 +256,20 @@ def from_arrays(x: Any, y: Any = None, *, sample_weight: Any = None, name: str =
     if weights is not None and y is None:
         raise ValueError("Invalid value for argument `sample_weight` of from_arrays. Received: weights without "
                          "targets (y=None). Expected targets `y` beside them.")
-    flat = tf.nest.flatten(x) + [a for part in (y, weights) if part is not None for a in tf.nest.flatten(part)]
-    rows = {a.shape[0] if a.ndim else None for a in flat}
+    flat = [a for part in (x, y, weights) if part is not None for a in tf.nest.flatten(part) if a is not None]
+    rows = {num_rows(a) for a in flat}
     if len(rows) != 1 or None in rows or 0 in rows:
         raise ValueError(f"Invalid value for argument `x`/`y` of from_arrays. Received: arrays of "
-                         f"{sorted(a.shape[0] if a.ndim else 0 for a in flat)} rows. Expected the same "
+                         f"{sorted(num_rows(a) or 0 for a in flat)} rows. Expected the same "
                          "number of rows (examples), at least one, in every array.")
 
     def make_reader():
         parts = x if y is None else (x, y) if weights is None else (x, y, weights)
-        tensors = tf.nest.map_structure(tf.constant, parts)
+        tensors = tf.nest.map_structure(lambda a: a if a is None or isinstance(a, tf.RaggedTensor)
+                                        else tf.constant(a), parts)
 
         def read(ids):
-            return tf.nest.map_structure(lambda t: tf.gather(t, ids), tensors)
+            return tf.nest.map_structure(lambda t: None if t is None else tf.gather(t, ids), tensors)
 
         return read
 

@@ -1,11 +1,13 @@
 """The data order: which examples each replica trains on at each global step, holding nothing.
 
-Global step `s` trains on positions `(s mod S)·B … (s mod S)·B + B - 1` of data epoch
-`s div S` (`S` steps an epoch, `B` the global batch). A position maps to an example id
-through `tf.random.experimental.index_shuffle`, a bijection of `[0, N)` keyed by
+Global step `s` trains on positions `(s mod S)·B … (s mod S)·B + n - 1` of data epoch
+`s div S` (`S` steps an epoch, `B` the global batch, `n = min(B, N - (s mod S)·B)`: Keras's
+last batch of an epoch holds the rest of the `N` examples). A position maps to an example
+id through `tf.random.experimental.index_shuffle`, a bijection of `[0, N)` keyed by
 `(seed, epoch)` (the identity for data that is not shuffled, such as the test split), so
 an epoch is a permutation of the examples without any permutation being held. Replica
-`r` of `R` takes slice `r` of the global batch, `B / R` positions long; input pipeline
+`r` of `R` takes positions `⌊r·n/R⌋ … ⌊(r+1)·n/R⌋ - 1` of the step's batch (`B / R` each
+where `R` divides it; else shares one apart, some empty where `n < R`); input pipeline
 `i` feeds replicas `i·L … i·L + L - 1` (`L` = R / pipelines), one batch each in turn.
 
 The order is a pure function of `(seed, epoch, position)`: one process, several replicas
@@ -26,42 +28,50 @@ FOREVER = 2**62  # Steps: the pipeline never ends; Keras counts the steps.
 
 
 def example_ids(positions, epoch, *, num_examples: int, seed: int, shuffle: bool) -> tf.Tensor:
-    """The example id at each of `positions` (int64) in data epoch `epoch`."""
+    """The example id at each of `positions` (an int64 vector) in data epoch `epoch`."""
     positions = tf.cast(positions, tf.int64)
     if not shuffle:
         return positions
     key = tf.stack([tf.cast(seed, tf.int64), tf.cast(epoch, tf.int64)])
-    return tf.random.experimental.index_shuffle(positions, seed=key, max_index=num_examples - 1)
+    padded = tf.concat([positions, [0]], 0)  # A replica's empty share too: the op refuses an empty vector.
+    return tf.random.experimental.index_shuffle(padded, seed=key, max_index=num_examples - 1)[:-1]
 
 
 def replica_batches(*, num_examples: int, steps_per_epoch: int, global_batch_size: int, replicas: int,
                     pipeline: tuple[int, int] = (0, 1), seed: int = 0, shuffle: bool = True,
                     start_step: int = 0) -> tf.data.Dataset:
-    """The example ids of one input pipeline: one `[B / R]` int64 vector per (step, replica).
+    """The example ids of one input pipeline: one int64 vector per (step, replica), `[B / R]`
+    where every step is a full batch that the replicas divide, else `[None]`.
 
     Args:
         num_examples: examples in the split (`N`); positions beyond `S·B` are never used.
-        steps_per_epoch: `S`, with `S·B <= N`.
-        global_batch_size: `B`, a multiple of `replicas`.
+        steps_per_epoch: `S`, at most `⌈N / B⌉` (the last step then holds the rest).
+        global_batch_size: `B`.
         replicas: `R`, replicas in sync.
         pipeline: `(index, count)` of this input pipeline; `count` divides `replicas`.
         seed: the shuffle's key, with the epoch.
         shuffle: `False` keeps positions as ids (the test split).
         start_step: the first global step (a resume).
     """
-    if steps_per_epoch * global_batch_size > num_examples:
+    if (steps_per_epoch - 1) * global_batch_size >= num_examples:
         raise ValueError(f"Invalid value for `steps_per_epoch`. Received: {steps_per_epoch}. Expected at most "
-                         f"{num_examples // global_batch_size} steps of {global_batch_size} in {num_examples} "
+                         f"{-(-num_examples // global_batch_size)} steps of {global_batch_size} in {num_examples} "
                          "examples.")
     index, count = pipeline
     local = replicas // count
-    batch = global_batch_size // replicas
-    first = index * local * batch  # This pipeline's first position within a global batch.
+    even = steps_per_epoch * global_batch_size <= num_examples and global_batch_size % replicas == 0
+    first = tf.range(index * local, (index + 1) * local, dtype=tf.int64)  # This pipeline's replicas.
 
-    def step_ids(step):
-        epoch, offset = step // steps_per_epoch, (step % steps_per_epoch) * global_batch_size
-        positions = offset + first + tf.range(local * batch, dtype=tf.int64)
-        ids = example_ids(positions, epoch, num_examples=num_examples, seed=seed, shuffle=shuffle)
-        return tf.reshape(ids, [local, batch])
+    def step_slices(step):
+        offset = (step % steps_per_epoch) * global_batch_size
+        rows = tf.minimum(tf.constant(global_batch_size, tf.int64), num_examples - offset)
+        return (tf.fill([local], step // steps_per_epoch),
+                offset + first * rows // replicas, offset + (first + 1) * rows // replicas)
 
-    return tf.data.Dataset.range(start_step, FOREVER).map(step_ids).unbatch()
+    def slice_ids(epoch, start, end):
+        ids = example_ids(tf.range(start, end), epoch, num_examples=num_examples, seed=seed, shuffle=shuffle)
+        if even:
+            ids.set_shape([global_batch_size // replicas])
+        return ids
+
+    return tf.data.Dataset.range(start_step, FOREVER).map(step_slices).unbatch().map(slice_ids)

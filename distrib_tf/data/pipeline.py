@@ -39,10 +39,16 @@ def make_dataset_fn(info: DatasetInfo, split: str, *, global_batch_size: int, se
     order, and a pipeline reads only its own replicas' examples. Resuming at
     `start_step` starts there: nothing before it is read.
     """
-    return make_examples_fn(
+    examples_fn = make_examples_fn(
         f"{info.name} {split}", info.num_examples[split], lambda: readers.make_reader(info, split),
         global_batch_size=global_batch_size, steps_per_epoch=steps_per_epoch(info, split, global_batch_size),
         seed=seed, shuffle=split == "train", start_step=start_step)
+
+    def dataset_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        check_global_batch_size(global_batch_size, input_context.num_replicas_in_sync)
+        return examples_fn(input_context)
+
+    return dataset_fn
 
 
 def make_examples_fn(name: str, num_examples: int, make_reader, *, global_batch_size: int,
@@ -50,12 +56,13 @@ def make_examples_fn(name: str, num_examples: int, make_reader, *, global_batch_
                      one_pass: bool = False):
     """`make_dataset_fn` for any examples read by id: `make_reader()` returns `read(ids)`,
     called once in each input pipeline (`distrib_tf.data.examples`). `one_pass`: the
-    steps from `start_step` to the end of its epoch, then the end (for `evaluate`)."""
+    steps from `start_step` to the end of its epoch, then the end (for `evaluate`). A last
+    step of fewer than `global_batch_size` examples, or a batch the replicas do not divide,
+    is split as evenly as it goes (`distrib_tf.data.order`)."""
 
     def dataset_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         replicas = input_context.num_replicas_in_sync
         pipelines, index = input_context.num_input_pipelines, input_context.input_pipeline_id
-        check_global_batch_size(global_batch_size, replicas)
         ids = order.replica_batches(
             num_examples=num_examples, steps_per_epoch=steps_per_epoch, global_batch_size=global_batch_size,
             replicas=replicas, pipeline=(index, pipelines), seed=seed, shuffle=shuffle,

@@ -244,7 +244,16 @@ class ScalarTensorBoard(keras.callbacks.TensorBoard):
     take one value each."""
 
     def on_epoch_end(self, epoch, logs=None):
-        super().on_epoch_end(epoch, {k: v for k, v in (logs or {}).items() if np.ndim(v) == 0})
+        super().on_epoch_end(epoch, _scalars(logs))
 
     def on_train_batch_end(self, batch, logs=None):
-        super().on_train_batch_end(batch, {k: v for k, v in (logs or {}).items() if np.ndim(v) == 0})
+        # Keras writes batch logs into the default summary writer, which with `update_freq="epoch"`
+        # is not this callback's (it pushes none) but a user's TensorBoard's, if any.
+        super().on_train_batch_end(batch, None if self.update_freq == "epoch" else _scalars(logs))
+
+    def on_test_end(self, logs=None):
+        super().on_test_end(_scalars(logs))
+
+
+def _scalars(logs):
+    return {k: v for k, v in (logs or {}).items() if np.ndim(v) == 0}

@@ -79,22 +79,19 @@ fix needs a gate by TensorFlow version there) on TensorFlow breaks under
    result is the same attribute names.
 
 Each fix changes behaviour only in the case it names and otherwise calls the original.
-`apply()` installs them once per process; `make_strategy()` calls it for every
+Their code is `distrib_tf.keras.compat_fixes`, each `fix(original, *args)` in the order
+above; `apply()` installs them once per process; `make_strategy()` calls it for every
 strategy it builds (fixes 1 and 7 matter on one device too). Other Keras versions get
 a warning and no fixes.
 """
 
+import contextlib
 import functools
-import inspect
 import logging
-import shutil
-import tempfile
-import threading
 
 import keras
-import tensorflow as tf
 
-from distrib_tf.keras import phases
+from distrib_tf.keras import compat_fixes as fixes
 
 logger = logging.getLogger("distrib_tf")
 
@@ -131,33 +128,33 @@ def _fixes():
     _tf_trainer, _tf_optimizer, _base_optimizer, _base_trainer, _saving_lib = _private_modules()
     return {
         "symbolic_build": [
-            (_tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build", _maybe_symbolic_build)
+            (_tf_trainer.TensorFlowTrainer, "_maybe_symbolic_build", fixes.maybe_symbolic_build)
         ],
-        "reduce_per_replica": [(_tf_trainer, "reduce_per_replica", _reduce_per_replica)],
-        "compile_checks": [(_base_trainer.Trainer, "compile", _compile)],
-        "model_checkpoint": [(callbacks.ModelCheckpoint, "_save_model", _chief_only)],
-        "backup_and_restore": [(callbacks.BackupAndRestore, "_save_model", _chief_only)],
-        "backup_and_restore_end": [(callbacks.BackupAndRestore, "on_train_end", _chief_only)],
+        "reduce_per_replica": [(_tf_trainer, "reduce_per_replica", fixes.reduce_per_replica)],
+        "compile_checks": [(_base_trainer.Trainer, "compile", fixes.compile_checked)],
+        "model_checkpoint": [(callbacks.ModelCheckpoint, "_save_model", fixes.chief_only)],
+        "backup_and_restore": [(callbacks.BackupAndRestore, "_save_model", fixes.chief_only)],
+        "backup_and_restore_end": [(callbacks.BackupAndRestore, "on_train_end", fixes.chief_only)],
         "sum_duplicate_rows": [
-            (_base_optimizer.BaseOptimizer, "apply", _densify_where_cheaper),
-            (_tf_optimizer.TFOptimizer, "_distributed_tf_update_step", _sum_duplicate_rows)],
+            (_base_optimizer.BaseOptimizer, "apply", fixes.densify_where_cheaper),
+            (_tf_optimizer.TFOptimizer, "_distributed_tf_update_step", fixes.update_with_summed_rows)],
         "iterator_release": [
-            (_tf_trainer.TFEpochIterator, "reset", _reset_off_the_main_thread),
-            (_tf_trainer.TFEpochIterator, "__init__", _track_iterator),
-            (_tf_trainer.TensorFlowTrainer, "fit", _release_iterators_after),
-            (_tf_trainer.TensorFlowTrainer, "evaluate", _release_iterators_after),
-            (_tf_trainer.TensorFlowTrainer, "predict", _release_iterators_after),
+            (_tf_trainer.TFEpochIterator, "reset", fixes.reset_off_the_main_thread),
+            (_tf_trainer.TFEpochIterator, "__init__", fixes.track_iterator),
+            (_tf_trainer.TensorFlowTrainer, "fit", fixes.release_iterators_after),
+            (_tf_trainer.TensorFlowTrainer, "evaluate", fixes.release_iterators_after),
+            (_tf_trainer.TensorFlowTrainer, "predict", fixes.release_iterators_after),
         ],
         "loss_scale": [
-            (keras.optimizers.LossScaleOptimizer, "check_finite", _check_finite_everywhere),
-            (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads", _count_skipped_step),
+            (keras.optimizers.LossScaleOptimizer, "check_finite", fixes.check_finite_everywhere),
+            (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads", fixes.count_skipped_step),
         ],
-        "trace_then_meet": [(_tf_trainer.TensorFlowTrainer, "_make_function", _trace_then_meet)],
-        "meet_before_reset": [(_base_trainer.Trainer, "reset_metrics", _meet_before_reset)],
-        "saving_outside_scope": [(_saving_lib, "get_attr_skipset", _skipset_outside_scopes)],
+        "trace_then_meet": [(_tf_trainer.TensorFlowTrainer, "_make_function", fixes.trace_then_meet)],
+        "meet_before_reset": [(_base_trainer.Trainer, "reset_metrics", fixes.meet_before_reset)],
+        "saving_outside_scope": [(_saving_lib, "get_attr_skipset", fixes.skipset_outside_scopes)],
         "tensorboard": [
-            (callbacks.TensorBoard, "set_model", _tensorboard_set_model),
-            (callbacks.TensorBoard, "on_train_end", _tensorboard_on_train_end),
+            (callbacks.TensorBoard, "set_model", fixes.tensorboard_set_model),
+            (callbacks.TensorBoard, "on_train_end", fixes.tensorboard_on_train_end),
         ],
     }
 
@@ -191,6 +188,21 @@ def revert(name: str) -> None:
         setattr(owner, attribute, original)
 
 
+@contextlib.contextmanager
+def reverted(name: str):
+    """Inside, one fix (by its `_fixes()` name) is not installed, to show what it changes (plain
+    Keras, once a run in the process installed the fixes); as it was on leaving."""
+    installed = [(owner, attribute, fix) for owner, attribute, fix in _fixes()[name]
+                 if hasattr(getattr(owner, attribute), "__distrib_tf_original__")]
+    for owner, attribute, _ in installed:
+        setattr(owner, attribute, getattr(owner, attribute).__distrib_tf_original__)
+    try:
+        yield
+    finally:
+        for owner, attribute, fix in installed:
+            _patch(owner, attribute, fix)
+
+
 def _patch(owner, name, fix):
     original = getattr(owner, name)
 
@@ -200,253 +212,3 @@ def _patch(owner, name, fix):
 
     patched.__distrib_tf_original__ = original
     setattr(owner, name, patched)
-
-
-def _is_chief(model) -> bool:
-    return model.distribute_strategy.extended.should_checkpoint
-
-
-# Fix 1.
-def _maybe_symbolic_build(original, self, iterator=None, data_batch=None):
-    if self._distribute_strategy is None or iterator is None:  # pylint: disable=protected-access
-        return original(self, iterator=iterator, data_batch=data_batch)
-    spec = iterator._distributed_dataset.element_spec  # pylint: disable=protected-access
-    return original(self, data_batch=tf.nest.map_structure(_zeros_like_spec, spec))
-
-
-def _zeros_like_spec(spec):
-    """One replica's batch of zeros: the shapes and types are all a build needs."""
-    if isinstance(spec, tf.distribute.DistributedValues) or hasattr(spec, "_value_specs"):
-        spec = spec._value_specs[0]  # pylint: disable=protected-access
-    return tf.zeros([1 if d is None else d for d in spec.shape], spec.dtype)
-
-
-# Fix 2.
-_LOGS_REDUCED = "_distrib_tf_logs_reduced"  # On a strategy, while its train step is traced.
-
-
-def mark_logs_reduced(strategy, reduced: bool) -> None:
-    """Tells fix 2 that the training step being traced returns its logs already reduced
-    over the replicas (they travelled in the gradients' all-reduce: `distrib_tf.keras.step_logs`):
-    `fit` then takes this worker's values as they are, with no collective of its own."""
-    strategy.__dict__[_LOGS_REDUCED] = reduced
-
-
-def _reduce_per_replica(original, values, strategy, reduction):
-    if reduction == "auto" and strategy.__dict__.pop(_LOGS_REDUCED, False):
-        return tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0], values)
-    if reduction in ("auto", "mean", "sum") and phases.is_multi_worker(strategy):
-        op = "SUM" if reduction == "sum" else "MEAN"
-        return _reduce_packed(strategy, op, values)
-    return original(values, strategy, reduction)
-
-
-def _reduce_packed(strategy, op, values):
-    """`strategy.reduce(op, v, axis=None)` for every `v` in `values`; scalars of one type
-    travel in one vector, so a step's logs cost one all-reduce."""
-    flat = tf.nest.flatten(values)
-    reduced = list(flat)
-    groups = {}  # (per replica?, dtype): positions of the scalars of that kind.
-    for position, value in enumerate(flat):
-        specs = getattr(value, "_value_specs", None)  # A PerReplica's; one local replica gives a tensor.
-        spec = specs[0] if specs else (value if tf.is_tensor(value) else None)
-        if spec is not None and spec.shape.rank == 0 and spec.dtype.is_floating:
-            groups.setdefault((specs is not None, spec.dtype), []).append(position)
-        else:
-            reduced[position] = strategy.reduce(op, value, axis=None)
-    for (per_replica, _), positions in groups.items():
-        scalars = tuple(flat[p] for p in positions)
-        packed = strategy.run(lambda *s: tf.stack(s), args=scalars) if per_replica else tf.stack(scalars)
-        for position, value in zip(positions, tf.unstack(strategy.reduce(op, packed, axis=None))):
-            reduced[position] = value
-    return tf.nest.pack_sequence_as(values, reduced)
-
-
-# Fixes 4 and 6.
-def _compile(original, self, *args, **kwargs):
-    bound = inspect.signature(original).bind(self, *args, **kwargs)
-    bound.apply_defaults()
-    strategy = self.distribute_strategy
-    steps = bound.arguments["steps_per_execution"]
-    if strategy.num_replicas_in_sync > 1 and steps != 1:
-        raise ValueError(
-            "Invalid value for argument `steps_per_execution`. Received: "
-            f"steps_per_execution={steps!r} under {type(strategy).__name__} with "
-            f"{strategy.num_replicas_in_sync} replicas. Expected 1: Keras "
-            f"{keras.__version__} cannot run several steps per execution on several "
-            "replicas."
-        )
-    jit = bound.arguments["jit_compile"]
-    if jit is True and strategy.num_replicas_in_sync > 1 and not tf.config.list_physical_devices("GPU"):
-        raise ValueError(
-            "Invalid value for argument `jit_compile`. Received: jit_compile=True under "
-            f"{type(strategy).__name__} with {strategy.num_replicas_in_sync} CPU replicas. "
-            "Expected False or 'auto': XLA cannot compile a step whose replicas or "
-            "collectives span several CPU devices."
-        )
-    return original(self, *args, **kwargs)
-
-
-# Fix 3.
-def _chief_only(original, self, *args, **kwargs):
-    if _is_chief(self.model):
-        return original(self, *args, **kwargs)
-    return None
-
-
-# Fix 5.
-def _tensorboard_set_model(original, self, model):
-    if _is_chief(model):
-        return original(self, model)
-    log_dir = self.log_dir
-    self._distrib_tf_scratch = self.log_dir = tempfile.mkdtemp(prefix="distrib_tf_tb_")  # pylint: disable=protected-access
-    try:
-        return original(self, model)
-    finally:
-        self.log_dir = log_dir
-
-
-def _tensorboard_on_train_end(original, self, logs=None):
-    try:
-        return original(self, logs)
-    finally:
-        scratch = getattr(self, "_distrib_tf_scratch", None)
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
-
-
-# Fix 7.
-SPARSE_MIN_BYTES = 1 << 20  # Smaller tables all-reduce their gradient dense.
-
-
-def _densify_where_cheaper(original, self, grads, trainable_variables=None):
-    strategy = tf.distribute.get_strategy()
-    if strategy.num_replicas_in_sync > 1:
-        local = not phases.is_multi_worker(strategy)
-        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and (
-            local or _dense_bytes(g) < SPARSE_MIN_BYTES) else g for g in grads]
-    return original(self, grads, trainable_variables)
-
-
-def _dense_bytes(gradient: tf.IndexedSlices) -> float:
-    shape = tf.get_static_value(gradient.dense_shape)
-    return float("inf") if shape is None else float(shape.prod()) * gradient.dtype.size
-
-
-def _sum_duplicate_rows(original, self, distribution, grads_and_vars, learning_rate):
-    grads_and_vars = [(sum_duplicate_rows(g) if isinstance(g, tf.IndexedSlices) else g, v)
-                      for g, v in grads_and_vars]
-    return original(self, distribution, grads_and_vars, learning_rate)
-
-
-def sum_duplicate_rows(gradient: tf.IndexedSlices) -> tf.IndexedSlices:
-    """`gradient` with one row per index, the sum of its rows there (still sparse)."""
-    indices, positions = tf.unique(gradient.indices)
-    values = tf.math.unsorted_segment_sum(gradient.values, positions, tf.shape(indices)[0])
-    return tf.IndexedSlices(values, indices, gradient.dense_shape)
-
-
-# Fix 8.
-RELEASE_THREAD = "distrib_tf-iterator-release"
-
-
-def _reset_off_the_main_thread(original, self):
-    held = [self._current_iterator]  # pylint: disable=protected-access
-    original(self)  # Keras lets go of it here; the list then holds the last reference.
-    if held[0] is not None:
-        # Not a daemon: Python waits for it at exit. A daemon thread still inside the
-        # destructor when the interpreter shuts down aborts the process.
-        threading.Thread(target=held.clear, name=RELEASE_THREAD).start()
-
-
-_created_iterators = []  # The TFEpochIterators created inside the fit, evaluate or predict running.
-_calls = [0]  # How many of those are running (evaluate runs inside fit).
-
-
-def _track_iterator(original, self, *args, **kwargs):
-    original(self, *args, **kwargs)
-    if _calls[0]:  # One made elsewhere is its maker's to let go of.
-        _created_iterators.append(self)
-
-
-def _release_iterators_after(original, self, *args, **kwargs):
-    start = len(_created_iterators)
-    _calls[0] += 1
-    try:
-        return original(self, *args, **kwargs)
-    finally:  # The call's frame is gone: the list holds the last references to its iterators.
-        _calls[0] -= 1
-        held = _created_iterators[start:]
-        del _created_iterators[start:]
-        if held:
-            threading.Thread(target=held.clear, name=RELEASE_THREAD).start()
-
-
-# Fix 9.
-def _trace_then_meet(original, self, step_function):
-    function = original(self, step_function)
-    strategy = self.distribute_strategy
-    if self.run_eagerly or not phases.is_multi_worker(strategy):
-        return function
-    traced = [cell.cell_contents for cell in function.__closure__ or ()
-              if hasattr(cell.cell_contents, "get_concrete_function")]  # Keras's tf.function.
-    met = []
-
-    @functools.wraps(function)
-    def meet_first(iterator):
-        if not met:
-            if isinstance(iterator, tf.distribute.DistributedIterator):
-                for tf_function in traced:
-                    tf_function.get_concrete_function(iterator)
-            phases.enter(strategy, step_function.__name__)
-            met.append(True)
-        return function(iterator)
-
-    return meet_first
-
-
-def _meet_before_reset(original, self):
-    # Each epoch of fit and each evaluate begins with it, after the callbacks (the chief's
-    # saves): its assigns to the metrics' on-read variables are eager collectives.
-    strategy = self.distribute_strategy
-    if tf.executing_eagerly() and phases.is_multi_worker(strategy):
-        phases.enter(strategy, "reset_metrics")
-    return original(self)
-
-
-# Fix 10.
-def _check_finite_everywhere(original, self, grads):
-    finite = original(self, grads)
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
-        return finite
-    context = tf.distribute.get_replica_context()
-    if context.num_replicas_in_sync == 1:
-        return finite
-    not_finite = context.all_reduce("SUM", tf.cast(tf.logical_not(finite), tf.float32))
-    return tf.equal(not_finite, 0.0)
-
-
-def _count_skipped_step(original, self):
-    original(self)
-    if tf.distribute.has_strategy():
-        self.inner_optimizer.iterations.assign_add(1)
-
-
-# Fix 11.
-def _skipset_outside_scopes(original, obj_type):
-    if not tf.distribute.has_strategy():
-        return original(obj_type)
-    from keras.src.backend.common import global_state  # pylint: disable=import-outside-toplevel
-
-    key = f"distrib_tf_saving_skipset_{obj_type}"  # In Keras's global state, per thread like its own cache.
-    cached = global_state.get_global_attribute(key)
-    if cached is not None:
-        return cached
-    found = []
-    thread = threading.Thread(target=lambda: found.append(original(obj_type)), name="distrib_tf-saving")
-    thread.start()
-    thread.join()
-    if not found:  # It raised on the thread (and printed there): raise it here, in the caller's scope.
-        return original(obj_type)
-    global_state.set_global_attribute(key, found[0])
-    return found[0]

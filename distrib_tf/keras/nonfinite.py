@@ -69,7 +69,7 @@ class NonFiniteLoss(Exception):
 
 
 def _all_finite(tensors):
-    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors])
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in tensors if t.dtype.is_floating] or [True])
 
 
 @keras.saving.register_keras_serializable(package="distrib_tf")
@@ -126,7 +126,15 @@ def attach(model) -> NonFiniteReplicas:
         metric.update_state(y, y_pred)
         return {**logs, METRIC: metric.result()}
 
+    results = model.get_metrics_result
+
+    def get_metrics_result():
+        # The step's keys: Keras then ends an epoch and an evaluate on the metrics' own results,
+        # summed over the replicas, not on the last step's logs (their per-replica means).
+        return {**results(), METRIC: metric.result()}
+
     object.__setattr__(model, "compute_metrics", compute_metrics)  # Past Keras's tracking.
+    object.__setattr__(model, "get_metrics_result", get_metrics_result)
     _ATTACHED[model] = metric
     model.train_function = model.test_function = None
     return metric
@@ -136,6 +144,7 @@ def detach(model) -> None:
     """Takes `attach`'s metric off `model` again: its steps log what the user compiled."""
     if _ATTACHED.pop(model, None) is not None:
         model.__dict__.pop("compute_metrics", None)
+        model.__dict__.pop("get_metrics_result", None)
         model.train_function = model.test_function = model.predict_function = None
 
 

@@ -3,7 +3,8 @@
 Inside a `fit` (`sigterm.guarded()`) a SIGTERM only records that it came. Between training
 batches, `SaveOnPreemption` then has every worker agree on the next step through the
 coordination service, back it up and raise `Preempted`; between preemptions it costs nothing
-but a flag read per step. What a SIGTERM does outside the training batches (start-up,
+but a flag read per step, and a barrier at each epoch's end, which happens once (see
+`SaveOnPreemption`). What a SIGTERM does outside the training batches (start-up,
 validation, the script's own code after `fit`, the outputs) is `distrib_tf.keras.sigterm`'s;
 which exit code a run leaves with, in every case, is `distrib_tf.run.ending`'s. The main
 job then exits with `distrib_tf.exit_codes.PREEMPTED` (75), which the launcher forwards;
@@ -13,9 +14,10 @@ Example, for a Keras user's own `fit`:
 
     >>> strategy = distrib_tf.make_strategy()
     >>> sigterm.install()  # After the strategy: making one takes SIGTERM's handler.
-    >>> backup = WorkerBackup(...)
+    >>> backup = WorkerBackup(..., epoch_end_saves=False)
+    >>> save = SaveOnPreemption(backup)
     >>> with sigterm.guarded():
-    ...     model.fit(..., callbacks=[backup, SaveOnPreemption(backup)])
+    ...     model.fit(..., callbacks=[EpochEndBegins(save), backup, save])
 """
 
 import os
@@ -25,11 +27,12 @@ import keras
 import tensorflow as tf
 from tensorflow.python.eager import context  # The coordination service's key-value store.
 
+from distrib_tf.keras import phases
 from distrib_tf.keras import sigterm
 from distrib_tf.keras.sigterm import GRACE_ENV
 from distrib_tf.keras.sigterm import Preempted
 
-__all__ = ["GRACE_ENV", "Preempted", "SaveOnPreemption", "fits"]
+__all__ = ["GRACE_ENV", "EpochEndBegins", "Preempted", "SaveOnPreemption", "fits"]
 
 _NONE = sigterm.NONE
 _set_once = sigterm._set_once  # pylint: disable=protected-access  (one key-value helper)
@@ -53,6 +56,17 @@ class SaveOnPreemption(keras.callbacks.Callback):
     none can have passed it. TensorFlow's `PreemptionCheckpointHandler` agrees the same
     way. In one process the flag alone decides.
 
+    An epoch's end happens once. Its last step is not backed up before that end: at that step
+    every worker's backup holds the step before its last execution
+    (`WorkerBackup.keep_before_last`). A SIGTERM there or in validation leaves at once with
+    it, and the restart runs that execution and the whole end (validation, the History
+    row, every `on_epoch_end`, the chief's checkpoint). One in an `on_epoch_end` callback is
+    recorded: every worker finishes the end, they meet at a barrier, say whether a SIGTERM
+    came, back up the end and leave there if one did. Only past that barrier does a worker
+    back up an end, so none holds an end that another worker did not finish. (A worker that
+    left in validation fails a peer's collectives in its callbacks: `kept` is what that peer
+    leaves with, `distrib_tf.run.stage`.)
+
     Args:
         worker_backup: the `distrib_tf.keras.worker_backup.WorkerBackup` of this worker, which
             must come before this callback in `fit`'s list (it counts the steps).
@@ -60,6 +74,10 @@ class SaveOnPreemption(keras.callbacks.Callback):
             quarter of the seconds between SIGTERM and SIGKILL that the launcher gives its
             tasks (`DISTRIB_TF_GRACE_SECONDS`), else 120: the step and the backup must
             still fit in that grace after a worker that never answers.
+
+    It backs up each epoch's end itself (its `WorkerBackup` made with `epoch_end_saves=False`)
+    and comes after every callback whose `on_epoch_end` is part of that end; an
+    `EpochEndBegins` of it comes before them all.
     """
 
     def __init__(self, worker_backup, *, ack_timeout: float | None = None):
@@ -68,11 +86,12 @@ class SaveOnPreemption(keras.callbacks.Callback):
             grace = os.environ.get(GRACE_ENV)
             ack_timeout = float(grace) / 4 if grace else 120.0
         self.worker_backup, self.ack_timeout = worker_backup, ack_timeout
-        self._in_fit, self._validating = False, None
+        self._in_fit, self._at_once, self._kept = False, None, None
 
     def on_train_begin(self, logs=None):
         _fits[0] += 1  # A key per Keras fit in the process, alike on every worker (rollbacks, stages).
-        self._leave_validation()
+        self._leave_at_once()
+        self._kept = None
         self._in_fit = True
         self._key, self._target, self._named = f"distrib_tf/preempt/{_fits[0]}", None, False
         resolver = getattr(self.model.distribute_strategy, "cluster_resolver", None)
@@ -92,6 +111,8 @@ class SaveOnPreemption(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         step = self.worker_backup.step
+        if step % self.worker_backup.steps_per_epoch == 0 and self._end_epoch():
+            return  # What comes in the epoch's end is its own (`on_test_begin`, `on_epoch_end`).
         if sigterm.requested() and not self._named:
             self._named = True
             if len(self._tasks) <= 1 or not self._name_step(step + 1):
@@ -113,25 +134,96 @@ class SaveOnPreemption(keras.callbacks.Callback):
             return False
         return True
 
+    @property
+    def kept(self) -> int | None:
+        """The step every worker's backup holds from an epoch's last step until its end is
+        backed up (`None` elsewhere)."""
+        return self._kept
+
+    def _end_epoch(self) -> bool:
+        """At an epoch's last step: every worker's backup holds the step before its last
+        execution (`kept`); a SIGTERM already there (or a step named: a peer's) leaves with it,
+        and so does one from here to the epoch's `on_epoch_end` callbacks (`EpochEndBegins`):
+        Keras's metrics and validation, whose collectives a peer that left would fail.
+        False where no state was taken before that execution."""
+        self._kept = self.worker_backup.keep_before_last()
+        if self._kept is None:
+            return False
+        if sigterm.requested() or self._target is not None:
+            self.worker_backup.flush()
+            raise Preempted(self._kept)
+        self._at_once = sigterm.saved(self._kept)
+        self._at_once.__enter__()  # pylint: disable=unnecessary-dunder-call
+        return True
+
     def on_test_begin(self, logs=None):
-        """Validation inside `fit`: every worker backs up the step first, then SIGTERM stops
-        it at once (validation runs no training step to agree on)."""
-        self._leave_validation()
-        if self._in_fit:  # An `evaluate` of its own is its caller's (`sigterm`).
+        """Validation inside `fit` after a step that is not an epoch's last (a callback stopped
+        the epoch early): every worker backs up the step first, then SIGTERM stops it at once
+        (validation runs no training step to agree on). At an epoch's last step `_end_epoch`
+        did."""
+        if self._in_fit and self._kept is None:  # An `evaluate` of its own is its caller's (`sigterm`).
+            self._leave_at_once()
             self.worker_backup.save()
-            self._validating = sigterm.saved(self.worker_backup.step)
-            self._validating.__enter__()  # pylint: disable=unnecessary-dunder-call
+            self._at_once = sigterm.saved(self.worker_backup.step)
+            self._at_once.__enter__()  # pylint: disable=unnecessary-dunder-call
+
+    def on_epoch_end(self, epoch, logs=None):
+        """Every callback's `on_epoch_end` done on this worker: once every worker's is, the
+        epoch's end is backed up; a SIGTERM that came in any worker's, every worker leaves there."""
+        kept, self._kept = self._kept, None
+        said = self._agree_on_end(epoch, kept)
+        if not self.worker_backup.epoch_end_saves:  # (Else it saved before every worker was here.)
+            self.worker_backup.save()
+        if said:
+            self.worker_backup.flush()
+            raise Preempted(self.worker_backup.step)
+
+    def _agree_on_end(self, epoch: int, kept: int | None) -> bool:
+        """Whether any worker had a SIGTERM by the end of its epoch's end (one process: this one),
+        once every worker is there. A worker that left in validation never comes: the others
+        leave with `kept` too, as it did."""
+        if len(self._tasks) <= 1:
+            return sigterm.requested()
+        said = f"{self._key}/epoch_end/{epoch}"
+        try:
+            sigterm.say(f"{said}/{self._me}")
+            phases.enter(self.model.distribute_strategy, "epoch_end")
+            heard = [context.context().get_config_key_value(f"{said}/{task}") for task in self._tasks]
+        except Exception:  # A peer gone: it left in validation (then so does this worker), or died.
+            if kept is not None and sigterm.requested():
+                sigterm.leave(kept)
+            raise
+        if "sigterm" not in heard:
+            return False
+        sigterm.request()  # A peer's, which its watch may deliver here later.
+        return True
 
     def on_test_end(self, logs=None):
-        self._leave_validation()
+        if self._kept is None:
+            self._leave_at_once()
 
-    def _leave_validation(self):
-        """Also after a validation that SIGTERM ended: its entry would outlive it."""
-        validating, self._validating = self._validating, None
+    def _leave_at_once(self):
+        """Leaves the phase in which a SIGTERM leaves at once; also after a validation that
+        SIGTERM ended, whose entry would outlive it."""
+        validating, self._at_once = self._at_once, None
         if validating is not None:
             validating.__exit__(None, None, None)
 
     def on_train_end(self, logs=None):
         self._in_fit = False
+        self._leave_at_once()
         if len(self._tasks) > 1:
             _set_once(self._key, _NONE)  # Ends the watching threads of this fit.
+
+
+class EpochEndBegins(keras.callbacks.Callback):
+    """First in `fit`'s list: its `on_epoch_end` is where an epoch's `on_epoch_end` callbacks
+    begin, and a SIGTERM from there on is recorded, not acted on at once (`SaveOnPreemption`):
+    they run whole, once."""
+
+    def __init__(self, save_on_preemption: SaveOnPreemption):
+        super().__init__()
+        self.save_on_preemption = save_on_preemption
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.save_on_preemption._leave_at_once()  # pylint: disable=protected-access

@@ -7,7 +7,9 @@ module's; what it does depends on the phase the process is in when it comes:
 | phase (innermost wins)                                  | SIGTERM                                       |
 | ------------------------------------------------------- | --------------------------------------------- |
 | `saved(step)`: every worker's backup holds `step` (a    | leave with 75 at once (`leave`)               |
-| stage's start-up with `None`, the chief's outputs)      |                                               |
+| stage's start-up with `None`, an epoch's end up to its  |                                               |
+| `on_epoch_end` callbacks with the step before its last, |                                               |
+| the chief's outputs)                                    |                                               |
 | `guarded()`: a `fit`'s training                         | recorded: `SaveOnPreemption` agrees on a step |
 | `settle(step)`: after a `fit` that every worker ended   | leave with 75 at once, like `saved(step)`     |
 | and backed up, in the script's own code                 |                                               |

@@ -33,7 +33,7 @@ import weakref
 import keras
 import tensorflow as tf
 
-from distrib_tf.keras import compat
+from distrib_tf.keras import compat_fixes
 from distrib_tf.keras import local_sgd
 from distrib_tf.keras import nonfinite
 
@@ -53,7 +53,7 @@ class _Rider(threading.local):
     def begin(self, x, y, y_pred, sample_weight, training):
         self.step = (x, y, y_pred, sample_weight) if training else None
         self.logs = self.reduced = None
-        compat.mark_logs_reduced(self.model.distribute_strategy, False)
+        compat_fixes.mark_logs_reduced(self.model.distribute_strategy, False)
 
     def board(self, grads_and_vars):
         if self.step is None:
@@ -80,7 +80,7 @@ class _Rider(threading.local):
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if reduced is None:
             return logs
-        compat.mark_logs_reduced(self.model.distribute_strategy, True)
+        compat_fixes.mark_logs_reduced(self.model.distribute_strategy, True)
         return nonfinite.check_weights_after_update(self.model, reduced)
 
 

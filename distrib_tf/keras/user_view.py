@@ -100,8 +100,16 @@ class HideOwnLogs(keras.callbacks.Callback):
 
 
 def _float(value):
+    if np.ndim(value):  # A monitored metric of several values (F1Score's, one a class): a list.
+        return [_float(v) for v in np.ravel(value)]
     value = float(value)
     return value if math.isfinite(value) else repr(value)  # JSON has no inf: "inf", "-inf".
+
+
+def _unfloat(value):
+    if isinstance(value, list):
+        return np.array([_unfloat(v) for v in value])
+    return float(value) if isinstance(value, str) else value
 
 
 def _opted_in(callback) -> bool:
@@ -135,7 +143,7 @@ def set_callback_states(callbacks, states) -> None:
             callback.set_state(state)
             continue
         for attribute, value in state.items():
-            setattr(callback, attribute, float(value) if isinstance(value, str) else value)
+            setattr(callback, attribute, _unfloat(value))
 
 
 def without_backup_and_restore(callbacks, task: str) -> list:

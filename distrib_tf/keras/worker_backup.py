@@ -54,12 +54,16 @@ class WorkerBackup(keras.callbacks.Callback):
             every backup: a restart goes on with the learning rate and the count they left.
         asynchronous: write in the background (default); False: each save waits for its files.
         steps: the stage's step counter (`distrib_tf.keras.steps`); default: the optimizer's.
+        epoch_end_saves: back up at every epoch's end here (default). False: the caller does,
+            once every worker finished that end (`distrib_tf.keras.preemption.SaveOnPreemption`),
+            and no backup of an epoch's last step comes before it.
     """
 
     def __init__(self, directory: str, *, run: str, task: str, steps_per_epoch: int,
                  every_steps: int | None = None, keep: int = 2, history: list | None = None,
                  callbacks=(), epoch_metrics: list | None = None, layout=None, rollbacks: list | None = None,
-                 asynchronous: bool = True, steps: steps_lib.StageSteps | None = None):
+                 asynchronous: bool = True, steps: steps_lib.StageSteps | None = None,
+                 epoch_end_saves: bool = True):
         super().__init__()
         self.directory, self.run, self.task = directory, run, task
         self.steps_per_epoch, self.every_steps, self.keep = steps_per_epoch, every_steps, max(keep, 2)
@@ -74,9 +78,11 @@ class WorkerBackup(keras.callbacks.Callback):
         self.rollbacks = list(rollbacks or [])
         self.asynchronous = asynchronous
         self.blocked_seconds: list[float] = []  # What each save cost the step that made it.
+        self.epoch_end_saves = epoch_end_saves
+        self.before_last = None  # The state before an epoch's last execution, taken, not written.
 
     def on_train_begin(self, logs=None):
-        self.step = self.steps(self.model)
+        self.step, self.before_last = self.steps(self.model), None
         if self.step == 0:
             self.save()  # The starting point, for a rollback before the first backup.
 
@@ -84,11 +90,33 @@ class WorkerBackup(keras.callbacks.Callback):
         before, self.step = self.step, self.steps(self.model)  # Once an execution: maybe several steps.
         if self.step == before and not getattr(self, "_said_still", False):
             self._said_still = True  # A train_step with optimizers of its own (a GAN's): say it once.
-            print(f"{self.task}: model.optimizer did not count this step (a train_step that applies its own "
-                  f"optimizers?): backups and a resume count steps by it, so they stay at step {self.step}; "
-                  "expected model.optimizer to apply the step's gradients", flush=True)
-        if self.every_steps and steps_lib.crossed(before, self.step, self.every_steps):
+            why = ("the model has no trainable weights, so Keras applies no update" if not self.model.trainable_weights
+                   else "a train_step that applies its own optimizers?")
+            print(f"{self.task}: model.optimizer did not count this step ({why}): backups and a resume count steps "
+                  f"by it, so they stay at step {self.step}; expected model.optimizer to apply the step's gradients",
+                  flush=True)
+        ends_epoch = not self.epoch_end_saves and self.step % self.steps_per_epoch == 0  # Its end backs it up.
+        if self.every_steps and steps_lib.crossed(before, self.step, self.every_steps) and not ends_epoch:
             self.save()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        """Before the execution that ends an epoch, its state is taken (not written): a SIGTERM
+        in the epoch's end backs it up (`keep_before_last`), so that the restart runs that
+        execution and the whole epoch's end again (a restart from the epoch's last step would
+        start the next epoch, that end never made)."""
+        if self.epoch_end_saves:
+            return
+        left = self.steps_per_epoch - self.step % self.steps_per_epoch
+        self.before_last = self._take() if left <= (self.model.steps_per_execution or 1) else None
+
+    def keep_before_last(self) -> int | None:
+        """At an epoch's last step: backs up the state taken before its last execution, unless
+        this worker's backup holds that step already; returns that step (`None`: none taken)."""
+        taken, self.before_last = self.before_last, None
+        if taken is not None and taken[0] != self.saved_step:
+            backup.WRITER.wait()  # One state held at most.
+            self._submit(taken)
+        return None if taken is None else taken[0]
 
     def on_epoch_begin(self, epoch, logs=None):
         if self.epoch_metrics is not None:  # After Keras's reset: the epoch goes on from them.
@@ -98,7 +126,8 @@ class WorkerBackup(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self.history = [h for h in self.history if h["epoch"] <= epoch]
         self.history.append({"epoch": epoch + 1, **user_view.users_logs(logs)})
-        self.save()
+        if self.epoch_end_saves:
+            self.save()
 
     def on_train_end(self, logs=None):
         self.flush()
@@ -114,6 +143,11 @@ class WorkerBackup(keras.callbacks.Callback):
         callbacks' states came since."""
         started = time.perf_counter()
         backup.WRITER.wait()  # The backup before is whole on the disk: one state held at most.
+        self._submit(self._take())
+        self.blocked_seconds.append(time.perf_counter() - started)
+
+    def _take(self) -> tuple:
+        """The current step's backup, its state copied now (`snapshot`): what `_submit` writes."""
         step, arrays = self.step, None
         state = {}
         if self.saved_step != step:
@@ -129,11 +163,15 @@ class WorkerBackup(keras.callbacks.Callback):
         held = user_view.callback_arrays(self.callbacks)  # EarlyStopping's best weights, as they are now.
         if held:
             meta["callback_arrays"] = os.path.basename(backup.callbacks_path(self.directory, step))
+        return step, arrays, state, meta, held
+
+    def _submit(self, taken: tuple) -> None:
+        """Hands a backup `_take` made to the background writer."""
+        step, arrays, state, meta, held = taken
         self.saved_step = step
         backup.WRITER.submit(lambda: self._write(step, arrays, state, meta, held))
         if not self.asynchronous:
             backup.WRITER.wait()
-        self.blocked_seconds.append(time.perf_counter() - started)
 
     def _write(self, step: int, arrays, state: dict, meta: dict, held: dict) -> None:
         """In the background: the variables (unless `arrays` is None: written already) and the

@@ -39,16 +39,16 @@ def check_fit(model, strategy, train, *, epochs, global_batch_size, steps_per_ep
             invalid(name, type(value).__name__, "arrays, a tf.data.Dataset or distrib_tf.data examples "
                      "(from_arrays, from_source, from_images, load, from_dataset_fn)")
     try:
-        if not isinstance(train, examples_lib.Batches):  # A dataset's batches are Keras's to split.
-            registry.check_global_batch_size(global_batch_size, strategy.num_replicas_in_sync)
+        for name, batch in (("batch_size", global_batch_size), ("validation_batch_size", validation_batch_size)):
+            check_positive(name, batch, optional=name != "batch_size")
+            if isinstance(train, examples_lib.Examples) and train.full_batches:
+                registry.check_global_batch_size(batch or global_batch_size, strategy.num_replicas_in_sync)
         steps = steps_per_epoch or train.steps_per_epoch(global_batch_size)
-        if isinstance(train, examples_lib.Examples) and steps * global_batch_size > train.num_examples:
-            invalid("steps_per_epoch", steps, f"at most {train.num_examples // global_batch_size} steps "
+        if isinstance(train, examples_lib.Examples) and steps > train.steps_per_epoch(global_batch_size):
+            invalid("steps_per_epoch", steps, f"at most {train.steps_per_epoch(global_batch_size)} steps "
                      f"of {global_batch_size} in the {train.num_examples} examples of {train.name}")
         val_steps = None
         if validation_data is not None:
-            if validation_batch_size and not isinstance(validation_data, examples_lib.Batches):
-                registry.check_global_batch_size(validation_batch_size, strategy.num_replicas_in_sync)
             val_steps = validation_steps or validation_data.steps_per_epoch(validation_batch_size or global_batch_size)
     except InvalidRun:
         raise

@@ -17,8 +17,11 @@ in a script on the run API (`docs/keras.md` holds the same table with the tests 
 | ------------------------------------------------- | ---------------------------------------------- |
 | `Run(...)` itself, the script's code before `fit` | ends by SIGTERM's default meaning (143)        |
 | a `fit`'s start-up (its resume agreement)         | 75 at once, the backups as they were           |
-| inside `fit`, its last step, its `on_train_end`   | agree on one step, back it up, 75 when `fit`   |
+| inside `fit`, a training step, its `on_train_end` | agree on one step, back it up, 75 when `fit`   |
 |                                                   | returns at the latest                          |
+| an epoch's last step (`fit`'s too), validation    | 75 at once, the step before the epoch's last   |
+|                                                   | backed up: the restart makes that end once     |
+| an epoch's `on_epoch_end` callbacks               | every worker ends the epoch, backs it up, 75   |
 | after `fit`, every worker's `fit` ended (`end_fit`)| 75 at once: each backed up its last step      |
 | the outputs (`run.save`, the clean end)           | 75 at once                                     |
 

@@ -64,7 +64,7 @@ def training_data(x, y, *, sample_weight, class_weight, validation_split: float,
     if validation_split:
         if validation_data is not None:
             invalid("validation_split", validation_split, "0 beside validation_data (Keras takes one or the other)")
-        rows = len(tf.nest.flatten(x)[0])
+        rows = next(n for n in map(examples_lib.num_rows, tf.nest.flatten(x)) if n is not None)
         split_at = int(math.floor(rows * (1.0 - validation_split)))
         held_out = [_rows(part, slice(split_at, None)) for part in (x, y, weights)]
         validation = examples_lib.from_arrays(*held_out[:2], sample_weight=held_out[2], name="validation_split")
@@ -109,13 +109,13 @@ def _arrays(structure, argument: str):
     """The arrays of `structure`, its lists as tuples (as Keras's array adapter takes them: a
     list of outputs' targets stays a structure, never one stacked array)."""
     try:
-        return tf.nest.map_structure(np.asarray, keras.tree.lists_to_tuples(structure))
+        return tf.nest.map_structure(examples_lib.as_array, keras.tree.lists_to_tuples(structure))
     except (TypeError, ValueError):
         invalid(argument, type(structure).__name__, "an array, or a dict or tuple of arrays")
 
 
 def _rows(structure, rows: slice):
-    return None if structure is None else tf.nest.map_structure(lambda a: a[rows], structure)
+    return None if structure is None else tf.nest.map_structure(lambda a: None if a is None else a[rows], structure)
 
 
 def _class_weights(y, class_weight: dict) -> np.ndarray:

@@ -10,7 +10,9 @@ This is the one place where distrib_tf takes Keras's `fit` for a model: `keras.M
 is wrapped while a run is live and given back at its end. Models under another strategy
 (a scope of the script's own), and `Run.fit`'s own calls of Keras's `fit`, go straight to
 Keras; a model under no strategy (built before `Run(...)`) comes to `Run.fit`, which refuses
-it in one line rather than training it alone on each worker.
+it in one line rather than training it alone on each worker. `evaluate` and `predict` stay
+Keras's own, but on a training worker other than the chief they run with `verbose=0`: the
+chief speaks for the job (Keras's progress bars there, as for `fit`; none from the others).
 
 `keras.backend.clear_session()` resets TensorFlow's default graph, and with it the default
 strategy: while a run is live, the run's strategy is made the default again right after
@@ -26,6 +28,7 @@ Example:
 
 import contextlib
 import functools
+import inspect
 import threading
 
 import keras
@@ -47,6 +50,9 @@ def activate(run) -> None:
             return current.fit(self, *args, **kwargs)
 
         keras.Model.fit = fit
+    for name in _QUIET_ELSEWHERE:
+        if name not in vars(keras.Model):
+            setattr(keras.Model, name, _quiet_off_the_chief(getattr(keras.Model, name)))
     if not hasattr(tf.compat.v1.reset_default_graph, "__wrapped__"):
         reset = tf.compat.v1.reset_default_graph
 
@@ -61,11 +67,13 @@ def activate(run) -> None:
 
 
 def deactivate(run) -> None:
-    """Gives Keras's `fit` and TensorFlow's `reset_default_graph` back once `run` ends."""
+    """Gives Keras's `fit`, `evaluate`, `predict` and TensorFlow's `reset_default_graph` back
+    once `run` ends."""
     if _live and _live[-1] is run:
         _live.clear()
-        if "fit" in vars(keras.Model):
-            del keras.Model.fit
+        for name in ("fit", *_QUIET_ELSEWHERE):
+            if name in vars(keras.Model):
+                delattr(keras.Model, name)
         if hasattr(tf.compat.v1.reset_default_graph, "__wrapped__"):
             tf.compat.v1.reset_default_graph = tf.compat.v1.reset_default_graph.__wrapped__
 
@@ -73,6 +81,26 @@ def deactivate(run) -> None:
 def live():
     """The live run, or `None`."""
     return _live[-1] if _live else None
+
+
+_QUIET_ELSEWHERE = ("evaluate", "predict")  # Keras's own, with verbose=0 on a worker other than the chief.
+
+
+def _quiet_off_the_chief(method):
+    """Keras's `method` (`evaluate`, `predict`), with `verbose=0` for a model of the live run
+    on a training worker other than the chief."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def quiet(self, *args, **kwargs):
+        current = _live[-1] if _live else None
+        if current is not None and not (current.is_chief or current.is_evaluator) and _belongs(self, current):
+            bound = signature.bind(self, *args, **kwargs)
+            bound.arguments["verbose"] = 0
+            args, kwargs = bound.args[1:], bound.kwargs
+        return getattr(super(keras.Model, self), method.__name__)(*args, **kwargs)
+
+    return quiet
 
 
 def _belongs(model, run) -> bool:

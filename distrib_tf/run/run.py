@@ -60,6 +60,7 @@ from distrib_tf.keras import nonfinite
 from distrib_tf.keras import phases
 from distrib_tf.keras import sigterm
 from distrib_tf.keras import step_logs
+from distrib_tf.keras import uneven
 from distrib_tf.run import checks
 from distrib_tf.run import ending
 from distrib_tf.run import export
@@ -251,11 +252,12 @@ class Run:
             sample_weight: as Keras's: one weight per example.
             class_weight: as Keras's: a weight per class.
             validation_split: as Keras's: the last share of the arrays validates.
-            batch_size: the global batch (over all replicas; a multiple of their number);
+            batch_size: the global batch (over all replicas: a step's rows split as evenly as
+                they go, each row weighing as in one process: `distrib_tf.keras.uneven`);
                 `global_batch_size` is the same.
             epochs: epochs in all, counting those a resumed run already trained.
             validation_data: a tuple `(x, y[, sample_weight])`, a dataset or a source,
-                evaluated in order, in full batches of `validation_batch_size` (default:
+                evaluated in order, every row, in batches of `validation_batch_size` (default:
                 `batch_size`; `validation_steps` fewer).
             shuffle: the run's seeded order (exact on every layout), or the rows in order.
             callbacks: the user's own, called after distrib_tf's; a stage's partial epoch
@@ -284,6 +286,8 @@ class Run:
         self.global_batch_size, self.steps_per_epoch, self.epochs = global_batch_size, steps, epochs
         options = self.options
         nonfinite.attach(model)
+        if isinstance(train, examples_lib.Examples):
+            self._split_rows(model, train, global_batch_size)
         local_sgd.compress_gradients(model.optimizer, options.allreduce_dtype)
         if options.sync == "step" and options.allreduce_dtype == "float32" and phases.is_multi_worker(self.strategy):
             step_logs.carry(model)  # One collective a step: the logs travel with the gradients.
@@ -298,7 +302,26 @@ class Run:
                 return history
         finally:
             step_logs.release(model)  # The model is the user's again: its evaluate logs its metrics only.
+            uneven.unweigh(model)
             nonfinite.detach(model)
+
+    def _split_rows(self, model, train, global_batch_size: int) -> None:
+        """Where a step's rows split unevenly over the replicas, each row weighs as in one
+        process (`distrib_tf.keras.uneven`); a step leaving a replica none is said once."""
+        replicas, rows = self.strategy.num_replicas_in_sync, train.num_examples
+        if uneven.needed(rows, global_batch_size, replicas, full_batches=train.full_batches):
+            reductions = uneven.reductions(model)
+            if reductions <= uneven.MEANS:
+                uneven.weigh_rows(model)
+            elif reductions != {"sum"} and self.is_chief:
+                print(f"{self.task}: losses reduced by {', '.join(sorted(map(str, reductions)))}: a step the replicas "
+                      "split unevenly keeps Keras's per-replica arithmetic there (exact for means or sums alone)",
+                      flush=True)
+        if (last := uneven.empty_share(rows, global_batch_size, replicas, full_batches=train.full_batches)) \
+                and self.is_chief:
+            print(f"{self.task}: a step of {last} row(s) for {replicas} replicas leaves some none to train on: a "
+                  "layer that reduces over its batch (BatchNormalization) gives NaN there; expected a batch_size "
+                  f"giving every step at least {replicas} of the {rows} rows", flush=True)
 
     # Outputs and the end.
 

@@ -87,7 +87,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
         backup_dir, run=run_id, task=run.task, steps_per_epoch=steps, every_steps=options.backup_every_steps,
         history=[h for h in meta.get("history", []) if h["epoch"] * steps <= start_step],
         callbacks=users.callbacks, layout=run.replica_tasks, rollbacks=rollbacks,
-        asynchronous=options.backup_in_background, steps=stage_steps,
+        asynchronous=options.backup_in_background, steps=stage_steps, epoch_end_saves=False,  # SaveOnPreemption's.
         epoch_metrics=meta.get("metrics") if resume.source == backup_dir else None)  # This task's own sums.
     rollbacks = worker_backup.rollbacks  # Kept in every backup from now on.
     timer = callbacks_lib.EpochTimer(global_batch_size)
@@ -119,7 +119,9 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
         ours.append(callbacks_lib.EpochLine(run.task, epochs))
     # The user's see each step after the NaN check and before its backup, which so holds their state.
     checkpoint = callbacks_lib.ChiefCheckpoint(run.model_dir, run_id, keep=options.keep_checkpoints, stage=stage)
-    every_callback = [*ours, hide, users, worker_backup, checkpoint, preemption.SaveOnPreemption(worker_backup),
+    save_on_preemption = preemption.SaveOnPreemption(worker_backup)
+    every_callback = [preemption.EpochEndBegins(save_on_preemption),  # Where the epoch's on_epoch_end begin.
+                      *ours, hide, users, worker_backup, checkpoint, save_on_preemption,
                       *([pruning.PruneAtEpochEnd(worker_backup, is_chief=run.is_chief, fit=stage + 1)]
                         if trial.prunes() else []),
                       progbar]
@@ -176,6 +178,11 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
             worker_backup.saved_step, worker_backup.step = None, step - offset
             worker_backup.save()  # The step rolled back to, with the rollback: a restart goes on from it.
             continue
+        except Exception as e:  # In an epoch's end, a peer that left at once fails the collectives still ahead.
+            if isinstance(e, preemption.Preempted) or save_on_preemption.kept is None or not sigterm.requested():
+                raise
+            worker_backup.flush()
+            raise preemption.Preempted(save_on_preemption.kept) from e
         step = (fitted.epoch[-1] + 1) * steps if fitted.epoch else until * steps
         if model.stop_training and not users.last:  # Stopped by a callback in a partial epoch.
             users.last = True

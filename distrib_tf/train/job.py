@@ -78,13 +78,18 @@ def load_data(config: TrainConfig):
     """`(info, train, validation)` of `--dataset`: a name, `images:DIR`, or a user's function."""
     if builders.is_function_spec(config.dataset) and not config.dataset.startswith(("array_record:", "images:")):
         train, validation = builders.load_splits(config.dataset)
-        return (train.info or train), train, validation
+        return (train.info or train), _full_batches(train), _full_batches(validation)
     if not config.dataset.startswith("images:"):
         data.check_dataset_name(config.dataset)
     train = data.load(config.dataset, "train", data_dir=config.data_dir)
     info = train.info
     validation = data.load(config.dataset, "test", data_dir=config.data_dir) if "test" in info.num_examples else None
-    return info, train, validation
+    return info, _full_batches(train), _full_batches(validation)
+
+
+def _full_batches(split):
+    """The job trains and evaluates full global batches (`--global_batch_size` divides the replicas)."""
+    return dataclasses.replace(split, full_batches=True) if isinstance(split, data.Examples) else split
 
 
 def prepare_job(config: TrainConfig, model_dir: str) -> Job:

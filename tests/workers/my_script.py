@@ -104,7 +104,7 @@ def main():
     with distrib_tf.Run(args.model_dir, seed=0, backup_every_steps=5, on_nan=args.on_nan, sync=args.sync) as run:
         keras.config.set_dtype_policy("float64")
         with run.strategy.scope():
-            model = my_models.build(total_steps=args.epochs * (my_models.ROWS // batch))
+            model = my_models.build(total_steps=args.epochs * -(-my_models.ROWS // batch))  # Keras's steps: every row.
         x, y = my_models.arrays()
         if args.inf_at_step > 0 and not args.flaky:
             x["features"][worker1_example(args.inf_at_step)] = np.inf

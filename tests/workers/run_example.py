@@ -1,7 +1,7 @@
 """Runs an example script of `examples/` as `python SCRIPT` would, then prints what the
 test compares: `EXAMPLE {"weights": sha256, "history": {key: [values]}}`, from this process.
 
-    python tests/workers/run_example.py SCRIPT [--sigterm_at_step=N --sigterm_task=worker:1]
+    python tests/workers/run_example.py SCRIPT [--sigterm_at_step=N --sigterm_task=worker:1] [SCRIPT'S ARGS]
 
 The script is not changed: a SIGTERM is sent from outside its code, by a callback added to
 the callbacks its `fit` is given (as a scheduler would send it after a step).
@@ -21,12 +21,12 @@ def main():
     parser.add_argument("script")
     parser.add_argument("--sigterm_at_step", type=int, default=-1)
     parser.add_argument("--sigterm_task", default="worker:1")
-    args = parser.parse_args()
+    args, script_args = parser.parse_known_args()
     script = os.path.abspath(args.script)
     sys.path.insert(0, os.path.dirname(script))
     if args.sigterm_at_step > 0:
         _sigterm_at(args.sigterm_at_step, args.sigterm_task)
-    sys.argv = [script]
+    sys.argv = [script, *script_args]
     names = runpy.run_path(script, run_name="__main__")
     model = names["model"]
     digest = hashlib.sha256()
