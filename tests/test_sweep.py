@@ -17,6 +17,7 @@ from cluster_runner import QUIET_TF
 from distrib_tf import events
 from distrib_tf import trial as trial_lib
 from distrib_tf.experiments import sweep
+from distrib_tf.experiments import sweep_promotion
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
@@ -194,6 +195,65 @@ def next_trial_events(sweep_dir, timeout: float = 60) -> str:
 
 
 @pytest.mark.multiworker
+def test_successive_halving_promotes_a_paused_trial_from_its_backup_exactly(tmp_path):
+    """ASHA with promotion (rungs at epochs 1 and 2 of 4, half go on): every trial is paused at
+    a rung where it does not rank yet, and a paused one that ranks later goes on from its
+    backup at that step. The trial that reaches epoch 4 went through pauses, resumed each time
+    where it stopped, and ends on the weights of the same values trained without a pause."""
+    args = [f"--cluster_spec={SPEC}", "--workers_per_trial=1", "--parallel=1", "--metric=val_loss", "--mode=min",
+            "--", "python", SCRIPT, "--epochs=4", "--float64"]
+    result = _sweep("--space=learning_rate=[0.02,0.0,0.05,0.01] units=[8]", "--pruner=halving", "--promote",
+                    "--reduction_factor=2", f"--sweep_dir={tmp_path}/asha", *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = _rows(tmp_path / "asha")
+    assert [r["status"] for r in rows] == ["finished", "pruned", "pruned", "pruned"], result.stdout
+    assert sorted(int(r["epochs"]) for r in rows) == [1, 1, 2, 4], rows  # Half of 4 past epoch 1, of 2 past 2.
+    promotions = [line for line in result.stdout.splitlines() if ": promoted, resumes from its backup" in line]
+    resumes = 0
+    for row in rows:  # A promoted attempt resumed at its pause's step (16 steps an epoch), never at 0.
+        log = _text(os.path.join(row["model_dir"], "trial.log"))
+        resumed = [int(line.split("resumes at step ")[1].split()[0]) for line in log.splitlines()
+                   if line.startswith("[worker:0]") and " resumes at step " in line]
+        assert resumed == sorted(set(resumed)) and set(resumed) <= {16, 32}, (row, log)
+        assert max(resumed, default=0) < 16 * int(row["epochs"]), (row, log)
+        resumes += len(resumed)
+        if row["status"] == "finished":  # The best first: paused at both rungs, promoted from each.
+            assert resumed == [16, 32], (row, log)
+    assert promotions and resumes == len(promotions), result.stdout
+    # Trained: 4 + 2 + 1 + 1 epochs; started over, each promoted attempt would train its first epochs again.
+    assert f"promotion: {len(promotions)} promoted from their backups; 8 epochs trained, against " in result.stdout
+    best = rows[0]
+    whole = _sweep(f"--space=learning_rate=[{best['learning_rate']}] units=[8]", f"--sweep_dir={tmp_path}/whole",
+                   *args)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    got, expected = (_end(d, "chief_0") for d in (best["model_dir"], _rows(tmp_path / "whole")[0]["model_dir"]))
+    np.testing.assert_array_equal(got["weights"], expected["weights"])  # Bit for bit: the same arithmetic.
+
+
+def test_the_ladder_pauses_below_the_top_share_and_promotes_the_highest_rung_first():
+    ladder = sweep_promotion.Ladder("min", eta=2)
+    first = sweep_promotion.Values({"units": 4}, 0, 0, {1: 0.2}, None, True)
+    assert ladder.word([first], first, 1, last=4) == "prune"  # Alone at a rung: the top half of 1 is none.
+    first.paused, first.running = 1, False
+    second = sweep_promotion.Values({"units": 8}, 0, 1, {1: 0.9}, None, True)
+    assert ladder.word([first, second], second, 1, last=4) == "prune"  # The top half of 2: the first.
+    second.paused, second.running = 1, False
+    assert ladder.promotion([first, second]) is first and ladder.promotion([second]) is None
+    third = sweep_promotion.Values({"units": 16}, 0, 2, {1: 0.1, 2: 0.2}, 2, False)
+    assert ladder.promotion([first, second, third]) is None  # Rung 2's top half of one is none; rung 1's is third.
+    fourth = sweep_promotion.Values({"units": 32}, 0, 3, {1: 0.3, 2: 0.1}, None, True)
+    assert ladder.word([first, second, third, fourth], fourth, 2, last=4) == "go"  # Best of 2 at rung 2.
+    assert ladder.promotion([first, second, third, fourth]) is first  # Rung 1: third, then first.
+    fourth.paused, fourth.curve = 2, {1: 0.3, 2: 0.3}
+    assert ladder.promotion([first, second, third, fourth]) is third  # The higher rung before the lower.
+    assert [ladder.word([fourth], fourth, 2, last=last) for last in (2, None)] == ["go", "prune"]  # Its end: none.
+    hyperband = sweep_promotion.Ladder("max", eta=3, hyperband=True)
+    assert hyperband.brackets(9) == 3 and hyperband.brackets(None) == 1
+    assert [[s for s in range(1, 30) if hyperband.is_rung(s, b, last=27)] for b in range(3)] == [
+        [1, 3, 9], [3, 9], [9]]
+
+
+@pytest.mark.multiworker
 def test_two_trials_at_once_on_four_slots_never_more_than_four_tasks(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", SWEEP, "--space=units=[4,8]", "--cluster_spec=local_4workers", "--workers_per_trial=2",
@@ -278,7 +338,7 @@ def test_the_main_job_swept_with_a_failure_then_a_rerun(tmp_path):
 def _asked(tmp_path, space, sampler, count, seed=0, mode="max"):
     tmp_path.mkdir(exist_ok=True)
     study = sweep.open_study(str(tmp_path), space, sampler=sampler, seed=seed, mode=mode)
-    asked = [study.ask() for _ in range(count)]
+    asked = [sweep.ask_new(study, space, sampler) for _ in range(count)]
     return study, asked, [sweep.suggest(trial, space) for trial in asked]
 
 

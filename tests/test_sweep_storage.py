@@ -99,9 +99,10 @@ def test_bad_storage_exits_2_in_one_line_and_starts_nothing(tmp_path, storage, m
 
 def test_a_study_of_another_script_is_refused_and_kept(tmp_path):
     url = f"journal:{tmp_path}/study.log"
-    other = sweep.open_study(str(tmp_path), sweep.parse_space("units=[4,8]", kinds=None), sampler="grid", seed=0,
-                             mode="min", storage=url, program="/home/me/other.py")
-    other.tell(other.ask(), 0.5)
+    space = sweep.parse_space("units=[4,8]", kinds=None)
+    other = sweep.open_study(str(tmp_path), space, sampler="grid", seed=0, mode="min", storage=url,
+                             program="/home/me/other.py")
+    other.tell(sweep.ask_new(other, space, "grid"), 0.5)
     result = _sweep(f"--sweep_dir={tmp_path}/sweep", f"--storage={url}", "--space=units=[4,8]", *ONE_WORKER,
                     "--", "python", SCRIPT, timeout=60)
     assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
@@ -110,16 +111,16 @@ def test_a_study_of_another_script_is_refused_and_kept(tmp_path):
         f"/home/me/other.py. Expected a study of this sweep (['units'] of {SCRIPT}): another --study_name or "
         "--storage.") in result.stderr, result.stderr
     kept = _study(tmp_path, url, "distrib_tf", "units=[4,8]")
-    assert [(t.state.name, t.value) for t in kept.trials] == [("COMPLETE", 0.5), ("WAITING", None)]
+    assert [(t.state.name, t.value, t.params) for t in kept.trials] == [("COMPLETE", 0.5, {"units": 4})]
 
 
 @pytest.mark.multiworker
 @pytest.mark.parametrize("kind", ["postgresql", "journal"])
 def test_a_sweep_in_a_database_sigkilled_resumes_and_prunes_through_the_study(tmp_path, request, kind):
     """Trial 0 learns; the sweep is SIGKILLed in its second epoch and started again at once.
-    The grid goes on in its order (0.001, then 0.0, which the median of the trials that ended
-    prunes after its first epoch by the word the sweep wrote into the study), then trial 0
-    resumes at its step, once the killed sweep's launcher has backed up and stopped."""
+    Trial 0 resumes first, at its step, once the killed sweep's launcher has backed up and
+    stopped; then the grid goes on in its order (0.001, then 0.0, which the median of the
+    trial that ended prunes after their first epoch by the word the sweep wrote into the study)."""
     url = request.getfixturevalue("postgres") if kind == "postgresql" else f"journal:{tmp_path}/study.log"
     name = f"killed_{kind}"
     args = [f"--sweep_dir={tmp_path}/sweep", f"--storage={url}", f"--study_name={name}",
@@ -142,8 +143,9 @@ def test_a_sweep_in_a_database_sigkilled_resumes_and_prunes_through_the_study(tm
     assert f"study '{name}' in {url}" in again.stdout
     assert not (tmp_path / "sweep" / "study.db").exists()  # The study is where --storage says.
     rows = {float(r["learning_rate"]): r for r in _rows(tmp_path / "sweep")}
-    assert {k: r["status"] for k, r in rows.items()} == {0.05: "finished", 0.001: "finished", 0.0: "pruned"}, (
+    assert {k: r["status"] for k, r in rows.items()} == {0.05: "finished", 0.001: "pruned", 0.0: "pruned"}, (
         again.stdout)
+    assert again.stdout.index("{'learning_rate': 0.05}: resumed") < again.stdout.index("{'learning_rate': 0.001}")
     log = _text(os.path.join(rows[0.05]["model_dir"], "trial.log"))
     resumed_at = [int(line.split("resumes at step ")[1].split()[0]) for line in log.splitlines()
                   if "resumes at step" in line]
@@ -154,10 +156,10 @@ def test_a_sweep_in_a_database_sigkilled_resumes_and_prunes_through_the_study(tm
         assert "--network=host" in log
     assert "pruned by the sweep after epoch 1" in _text(os.path.join(rows[0.0]["model_dir"], "trial.log"))
     study = _study(tmp_path, url, name, "learning_rate=[0.05,0.001,0.0]")
-    assert sorted(t.state.name for t in study.trials) == ["COMPLETE", "COMPLETE", "FAIL", "PRUNED"]  # None twice.
+    assert sorted(t.state.name for t in study.trials) == ["COMPLETE", "FAIL", "PRUNED", "PRUNED"]  # None twice.
     assert not [t for t in study.trials if "cause" in t.user_attrs]  # The killed attempt: interrupted.
-    pruned, = [t for t in study.trials if t.state.name == "PRUNED"]
-    assert pruned.user_attrs["prune:1:1"] == "prune" and sorted(pruned.intermediate_values) == [1]
+    for pruned in [t for t in study.trials if t.state.name == "PRUNED"]:
+        assert pruned.user_attrs["prune:1:1"] == "prune" and sorted(pruned.intermediate_values) == [1]
 
 
 @pytest.mark.multiworker

@@ -22,7 +22,9 @@ The objective is `--metric` (any metric of the run's epochs: `val_loss`, a user'
 as the run's chief reported it in its `epoch` events (`distrib_tf.events`), the best epoch's
 (`--mode=max|min`). With `--pruner` (Optuna's median, successive halving or Hyperband),
 each epoch's value is reported as it arrives; a trial the pruner stops ends on every worker
-at that epoch's end with exit code 3 (`distrib_tf.keras.pruning`), its state kept.
+at that epoch's end with exit code 3 (`distrib_tf.keras.pruning`), its state kept. With
+`--promote` (halving or Hyperband) such a trial is paused, not dropped: once it ranks at its
+rung it is promoted and resumes from that backup (`distrib_tf.experiments.sweep_promotion`).
 
 Built on Optuna (`pip install 'distrib_tf[sweep]'`), whose study records every trial:
 `--storage=URL` (`distrib_tf.study`) puts it in `SWEEP_DIR/study.db` (SQLite, the default),
@@ -68,6 +70,7 @@ from distrib_tf import exit_codes
 from distrib_tf import study as study_lib
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.experiments import sweep_engines
+from distrib_tf.experiments import sweep_promotion
 from distrib_tf.experiments import sweep_results
 from distrib_tf.experiments.sweep_args import check_positive
 from distrib_tf.experiments.sweep_args import command_of
@@ -79,6 +82,8 @@ from distrib_tf.experiments.sweep_space import grid_size
 from distrib_tf.experiments.sweep_space import parse_space
 from distrib_tf.experiments.sweep_space import suggest
 from distrib_tf.experiments.sweep_study import PRUNERS  # noqa: F401  (re-exported)
+from distrib_tf.experiments.sweep_study import ask
+from distrib_tf.experiments.sweep_study import ask_new
 from distrib_tf.experiments.sweep_study import leftovers
 from distrib_tf.experiments.sweep_study import make_pruner  # noqa: F401  (re-exported)
 from distrib_tf.experiments.sweep_study import open_study
@@ -99,8 +104,8 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
     """
     optuna = optuna_module()
     done, retry, adopted = leftovers(study, optuna, engine=sweep.engine and sweep.engine.name)
-    for values in retry:
-        study.enqueue_trial(values)
+    for values, attrs in retry:
+        study.enqueue_trial(values, user_attrs=attrs or None)
     ended = {sweep_results.trial_id(t.params): (t.state.name, t.value, t.number) for t in done}
     running: dict[int, Trial] = {}
     busy: dict[str, int] = {}  # The values (their trial id) of every trial under way -> its number.
@@ -111,7 +116,10 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
 
     def objective(asked, slot, followed=None):
         values = suggest(asked, sweep.space)
-        trial = Trial(asked.number, values, os.path.join(sweep.sweep_dir, f"trial-{sweep_results.trial_id(values)}"))
+        trial = Trial(asked.number, values, os.path.join(sweep.sweep_dir, f"trial-{sweep_results.trial_id(values)}"),
+                      promoted=int(asked.user_attrs.get(sweep_promotion.PROMOTED, 0)))
+        if trial.promoted:  # Paused, and promoted: its attempts so far are not its result.
+            ended.pop(trial.id, None)
         with changed:  # A sampler may draw the values of a trial under way: never two runs of them at once.
             if trial.id in busy:
                 sweep.say(f"trial {trial.number} {values}: the same as trial {busy[trial.id]}, which runs; "
@@ -142,7 +150,7 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
     def run_trial(asked, trial, slot, followed):
         asked.set_user_attr("dir", trial.model_dir)
         resumed = os.path.isdir(os.path.join(trial.model_dir, "backup"))
-        for key, word in words_said(study, trial.id).items():  # Its interrupted attempts' words stand.
+        for key, word in words_said(study, trial.id, promoted=bool(trial.promoted)).items():  # They stand.
             trial.words[key] = word
             asked.set_user_attr(key, word)
         job = followed and followed.user_attrs["job"]
@@ -163,6 +171,8 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
             running[asked.number] = trial
         if followed:
             board.followed(trial)
+        elif trial.promoted:
+            board.promoted(trial)
         else:
             board.started(trial, resumed)
         code = follow_until_end(asked, trial)
@@ -242,32 +252,72 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
                 if trial.proc is not None:  # On an engine, its follower cancels the job.
                     os.killpg(trial.proc.pid, signal.SIGTERM)  # Every worker backs up one step, then stops.
 
-    left = [total - len(done)]  # Trials still to ask for.
+    left = [total - len(done)]  # Trials still to ask for (with a ladder: values still to draw).
     asking = threading.Lock()
+    under_way = [0]  # Trials asked for and not yet told.
+    ladder = sweep.ladder
+
+    def pick():
+        """The next trial and the job it follows, or None for none now: a job an earlier sweep
+        submitted, an interrupted trial's values, with a ladder a paused trial that ranks now
+        (promoted), then new values while the budget lasts."""
+        if ladder is None and left[0] <= 0:
+            return None
+        if adopted:  # A job an earlier sweep submitted.
+            left[0] -= 1
+            followed = adopted.pop(0)
+            return optuna.trial.Trial(study, followed._trial_id), followed  # pylint: disable=protected-access
+        queued = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))  # Interrupted ones.
+        if ladder is None:
+            left[0] -= 1
+            return (ask(study, sweep.space) if queued else ask_new(study, sweep.space, sweep.sampler)), None
+        if queued:
+            return ask(study, sweep.space), None
+        everyone = sweep_promotion.values_of(study)
+        if (up := ladder.promotion(everyone)) is not None:
+            study.enqueue_trial(up.params, user_attrs={sweep_promotion.PROMOTED: up.paused})
+            return ask(study, sweep.space), None
+        if len(everyone) + sum("same_as" in t.user_attrs for t in study.get_trials(deepcopy=False)) < total:
+            asked = ask_new(study, sweep.space, sweep.sampler)
+            brackets = ladder.brackets(study.user_attrs.get(sweep_promotion.EPOCHS))
+            asked.set_user_attr(sweep_promotion.BRACKET, len(everyone) % brackets)
+            return asked, None
+        return None
+
+    def next_trial():
+        """`pick`'s trial, counted as under way; None once there is none to run. With a ladder,
+        a thread with nothing to run waits while a trial is under way: it may pause, and rank."""
+        while not stopping.is_set():
+            with asking:
+                if (found := pick()) is not None:
+                    under_way[0] += 1
+                    return found
+                if ladder is None or not under_way[0]:
+                    return None
+            time.sleep(0.5)
+        return None
 
     def worker(slot):
-        """Asks for a trial and tells its outcome, until the budget is spent, each trial on the
+        """Runs trials and tells their outcomes until `next_trial` has none, each on the
         `slot`-th group of slots. One ask at a time: Optuna's SQLite storage can hand two
         threads the same enqueued trial (seen: both ran trial 0), as its `optimize(n_jobs=...)` does."""
-        while True:
-            with asking:
-                if left[0] <= 0 or stopping.is_set():
-                    return
-                left[0] -= 1
-                followed = adopted.pop(0) if adopted else None  # A job an earlier sweep submitted.
-                asked = optuna.trial.Trial(study, followed._trial_id) if followed else study.ask()  # pylint: disable=protected-access
+        while (found := next_trial()) is not None:
+            asked, followed = found
             try:
                 study.tell(asked, objective(asked, slot, followed))
             except optuna.TrialPruned:
                 study.tell(asked, state=optuna.trial.TrialState.PRUNED)
             except TrialFailed:
                 study.tell(asked, state=optuna.trial.TrialState.FAIL)
+            finally:
+                with asking:
+                    under_way[0] -= 1
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     parallel = max(parallel, min(len(adopted), left[0]))  # Every job still on the engine is followed.
     try:
-        if left[0] > 0:
-            board.start(total, len(done))
+        if left[0] > 0 or ladder is not None:  # A ladder may promote when every value was drawn.
+            board.start(total + sum(sweep_promotion.PROMOTED in t.user_attrs for t in done), len(done))
             workers = [threading.Thread(target=worker, args=(i,), name=f"distrib_tf-sweep-{i}")
                        for i in range(parallel)]
             for thread in workers:
@@ -298,6 +348,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"Missing `--trials` for --sampler={args.sampler}. Expected a budget >= 1.")
         total = min(grid_size(space), args.trials or math.inf) if args.sampler == "grid" else args.trials
         check_positive(args.nodes_per_trial, "--nodes_per_trial")
+        if args.promote and args.pruner not in ("halving", "hyperband"):
+            raise ValueError(f"Invalid value for `--pruner` with --promote. Received: {args.pruner}. Expected "
+                             "halving or hyperband, whose rungs pause and promote a trial.")
+        if args.reduction_factor < 2:
+            raise ValueError(f"Invalid value for `--reduction_factor`. Received: {args.reduction_factor}. "
+                             "Expected an integer >= 2.")
         off_host = args.engine != "local"
         spec = ClusterSpec.load(args.cluster_spec)
         slots = spec.num_workers if off_host else len(spec.local_tasks())
@@ -329,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.storage:
             os.makedirs(args.sweep_dir, exist_ok=True)
         study = open_study(args.sweep_dir, space, sampler=args.sampler, seed=args.seed, mode=args.mode,
-                           pruner=args.pruner, startup_trials=args.pruner_startup_trials,
+                           pruner="none" if args.promote else args.pruner, startup_trials=args.pruner_startup_trials,
                            warmup_epochs=args.pruner_warmup_epochs, storage=url, study_name=args.study_name,
                            program=program_of(command, main_job))
     except ValueError as e:  # ClusterSpecError included.
@@ -351,7 +407,10 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     sweep = Sweep(space, os.path.abspath(args.sweep_dir) if off_host else args.sweep_dir, command, where,
                   args.metric, args.mode, args.pruner != "none", storage=url, study_name=args.study_name,
-                  workers=per_trial if shares else 0, parallel=parallel, engine=engine)
+                  workers=per_trial if shares else 0, parallel=parallel, engine=engine, sampler=args.sampler,
+                  ladder=sweep_promotion.Ladder(args.mode, eta=args.reduction_factor,
+                                                min_epochs=max(1, args.pruner_warmup_epochs),
+                                                hyperband=args.pruner == "hyperband") if args.promote else None)
     board = sweep_results.Board(args.metric, args.mode, sys.stdout)
     sweep.say = board.say
     code = run_sweep(study, sweep, total=total, parallel=parallel, board=board)
@@ -361,6 +420,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return code
     print(sweep_results.format_table(rows, [d.name for d in space], args.metric))
+    if args.promote:
+        promotions, trained, over = sweep_promotion.saved(study)
+        print(f"promotion: {promotions} promoted from their backups; {trained} epochs trained, against {over} "
+              f"had each promoted trial started over ({1 - trained / max(over, 1):.0%} fewer)")
     plot = sweep_results.plot(rows, [d.name for d in space], os.path.join(args.sweep_dir, "sweep.png"),
                               metric=args.metric, mode=args.mode)
     print(f"results: {args.sweep_dir}/results.csv" + (f", {plot}" if plot else ""))

@@ -53,6 +53,12 @@ def parse_args(argv: list[str]):
     parser.add_argument("--pruner_warmup_epochs", type=int, default=0,
                         help="median: epochs before a trial can be pruned; halving, hyperband: the "
                              "first rung's epochs (default: 0, i.e. 1)")
+    parser.add_argument("--promote", action="store_true",
+                        help="with --pruner=halving or hyperband: pause a trial at a rung where it does not "
+                             "rank, and promote it from its backup, at its step, once it ranks there (ASHA with "
+                             "promotion; --trials counts new values)")
+    parser.add_argument("--reduction_factor", type=int, default=3,
+                        help="--promote: the share of a rung's trials that go on is 1/this (default: 3)")
     parser.add_argument("--engine", default="local", choices=sweep_engines.ENGINES,
                         help="where trials run: local (this host's slots), slurm (each trial a batch job "
                              "of `distrib-tf-export slurm`, through sbatch, squeue, scontrol and scancel) or ray "

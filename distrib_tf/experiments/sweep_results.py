@@ -211,6 +211,13 @@ class Board:
         self._running[trial.number] = trial
         self.say(f"trial {trial.number} {trial.values}: its job {trial.job} followed again in {trial.model_dir}")
 
+    def promoted(self, trial) -> None:
+        """A paused trial promoted (`sweep_promotion`): one more attempt to end."""
+        self._running[trial.number] = trial
+        self.total += 1
+        self.say(f"trial {trial.number} {trial.values}: promoted, resumes from its backup after its epoch "
+                 f"{trial.promoted} in {trial.model_dir}")
+
     def epoch(self, trial, epoch: int, value: float, *, fit: int = 1) -> None:
         which = f"fit {fit} " if fit > 1 else ""
         self.say(f"trial {trial.number} {which}epoch {epoch}/{trial.epochs or '?'}: {self.metric} {value:.4f}")
@@ -227,7 +234,8 @@ class Board:
             self.best, self.best_trial = value, trial.number
         fit, epoch = getattr(trial, "at", (1, max(trial.curve, default=0)))
         what = {"finished": f"finished, best {self.metric} {value if value is None else round(value, 4)}",
-                "pruned": f"pruned after {f'fit {fit} ' if fit > 1 else ''}epoch {epoch}",
+                "pruned": f"{'paused' if getattr(trial, 'paused', False) else 'pruned'} after "
+                          f"{f'fit {fit} ' if fit > 1 else ''}epoch {epoch}",
                 "failed": f"failed ({trial.cause})",
                 "interrupted": "interrupted (backed up; the same command resumes it)"}
         self.say(f"trial {trial.number}: {what[trial.status]} in {seconds:.0f} s")

@@ -11,8 +11,10 @@ import itertools
 from distrib_tf import study as study_lib
 from distrib_tf.experiments import sweep_results
 from distrib_tf.experiments.sweep_space import Dimension
+from distrib_tf.experiments.sweep_space import suggest
 
 PRUNERS = ("none", "median", "halving", "hyperband")
+PROMOTED = "promoted"  # User attribute of an attempt that resumes a paused one (`sweep_promotion`).
 
 
 def optuna_module():
@@ -41,11 +43,10 @@ def open_study(sweep_dir: str, space: list[Dimension], *, sampler: str, seed: in
     """The sweep's Optuna study at `storage` (a URL of `distrib_tf.study.parse_url`; default: the
     SQLite file `sweep_dir/study.db`): created, or loaded to go on.
 
-    A grid is enqueued once, in the order written (the last name varies fastest); a random
-    or TPE sampler is seeded with `seed` plus the trials the study holds, so that a sweep
-    started again goes on drawing instead of repeating its first values. With `program`
-    (what the trials run), a study that another program's sweep made, or one over other
-    names, is refused.
+    A grid's points are asked for in the order written (`ask_new`); a random or TPE sampler
+    is seeded with `seed` plus the trials the study holds, so that a sweep started again goes
+    on drawing instead of repeating its first values. With `program` (what the trials run), a
+    study that another program's sweep made, or one over other names, is refused.
 
     Raises:
         ValueError: the storage cannot be opened, or holds another sweep's study (one line).
@@ -67,18 +68,36 @@ def open_study(sweep_dir: str, space: list[Dimension], *, sampler: str, seed: in
     so_far = len(study.get_trials(deepcopy=False))
     study.sampler = (optuna.samplers.TPESampler if sampler == "tpe" else optuna.samplers.RandomSampler)(
         seed=seed + so_far)
-    if sampler == "grid" and not so_far:
-        for point in itertools.product(*(d.values for d in space)):
-            study.enqueue_trial(dict(zip([d.name for d in space], point)))
     return study
 
 
-def leftovers(study, optuna, *, engine: str | None = None) -> tuple[list, list[dict], list]:
+def ask(study, space: list[Dimension]):
+    """`study.ask()`, its values drawn at once (`suggest`): the study holds them from now on."""
+    asked = study.ask()
+    suggest(asked, space)
+    return asked
+
+
+def ask_new(study, space: list[Dimension], sampler: str):
+    """A trial of new values: under a grid, the first point in the order written (the last
+    name varies fastest) that no trial of the study holds; else the sampler's draw. Call it
+    with no trial waiting in the study's queue (`study.ask` takes those first)."""
+    if sampler == "grid":
+        held = [t.params for t in study.get_trials(deepcopy=False)]
+        for point in itertools.product(*(d.values for d in space)):
+            if (values := dict(zip([d.name for d in space], point))) not in held:
+                study.enqueue_trial(values)
+                break
+    return ask(study, space)
+
+
+def leftovers(study, optuna, *, engine: str | None = None) -> tuple[list, list[tuple[dict, dict]], list]:
     """The trials that count against the budget, the values of interrupted ones to run
-    again, and the running trials to follow again. A trial left running by a sweep that was
-    killed is told failed (it has no cause: interrupted), and its values run again, resumed
-    from their backups; on an `engine` (its name), a running trial whose job that engine
-    runs (`job` user attribute `ENGINE:ID`) is left running: the sweep follows its job."""
+    again (with the `promoted` of a promoted attempt), and the running trials to follow again.
+    A trial left running by a sweep that was killed is told failed (it has no cause:
+    interrupted), and its values run again, resumed from their backups; on an `engine` (its
+    name), a running trial whose job that engine runs (`job` user attribute `ENGINE:ID`) is
+    left running: the sweep follows its job."""
     states = optuna.trial.TrialState
     followed = []
     for old in study.get_trials(deepcopy=False, states=(states.RUNNING,)):
@@ -92,15 +111,19 @@ def leftovers(study, optuna, *, engine: str | None = None) -> tuple[list, list[d
     covered = [t.params for t in done + followed] + [t.params for t in trials if t.state == states.WAITING]
     retry = []
     for t in trials:
-        if t.state == states.FAIL and "cause" not in t.user_attrs and t.params not in covered + retry and t.params:
-            retry.append(t.params)
+        if t.state == states.FAIL and "cause" not in t.user_attrs and t.params not in covered and t.params:
+            covered.append(t.params)
+            retry.append((t.params, {k: t.user_attrs[k] for k in (PROMOTED,) if k in t.user_attrs}))
     return done, retry, followed
 
 
-def words_said(study, trial_id: str) -> dict:
-    """The sweep's words on earlier attempts of the values of `trial_id` that were interrupted."""
-    words = {}
-    for old in study.get_trials(deepcopy=False, states=(optuna_module().trial.TrialState.FAIL,)):
-        if "cause" not in old.user_attrs and old.params and sweep_results.trial_id(old.params) == trial_id:
-            words.update((k, v) for k, v in old.user_attrs.items() if k.startswith("prune:"))
+def words_said(study, trial_id: str, *, promoted: bool = False) -> dict:
+    """The sweep's words on earlier attempts of the values of `trial_id` that were interrupted;
+    `promoted` (`distrib_tf.experiments.sweep_promotion`): on its paused attempts too, each
+    `prune` (a pause) now `go`."""
+    words, states = {}, optuna_module().trial.TrialState
+    for old in study.get_trials(deepcopy=False, states=(states.FAIL, states.PRUNED)):
+        if old.params and sweep_results.trial_id(old.params) == trial_id and (
+                (old.state == states.FAIL and "cause" not in old.user_attrs) or promoted):
+            words.update((k, "go" if promoted else v) for k, v in old.user_attrs.items() if k.startswith("prune:"))
     return words

@@ -23,6 +23,7 @@ from distrib_tf import events
 from distrib_tf import lifeline
 from distrib_tf import study as study_lib
 from distrib_tf import trial as trial_lib
+from distrib_tf.experiments import sweep_promotion
 from distrib_tf.experiments import sweep_results
 from distrib_tf.experiments.sweep_space import Dimension
 
@@ -54,6 +55,8 @@ class Trial:
     job: str = ""  # Its job, on an engine (`distrib_tf.experiments.sweep_engines`).
     submitted: float = 0.0  # When its job was submitted (Unix seconds).
     started: float = 0.0
+    promoted: int = 0  # The step a promoted attempt resumes after (`sweep_promotion`), else 0.
+    paused: bool = False  # Its attempt paused at a rung, to be promoted if it ranks there later.
 
     @property
     def id(self) -> str:
@@ -81,6 +84,8 @@ class Sweep:
     workers: int = 0  # Of each trial when trials share the host's slots (`--workers`), else 0.
     parallel: int = 1
     engine: object = None  # Where trials run off this host (`sweep_engines`), or None: the host's slots.
+    sampler: str = "grid"
+    ladder: sweep_promotion.Ladder | None = None  # With `--promote`: the rungs that pause and promote.
 
     def placement(self, slot: int) -> list[str]:
         """The launcher's flags for the trial on the `slot`-th group of slots: trials side by side
@@ -129,13 +134,29 @@ class Sweep:
                 trial.curve[step] = value
                 if step not in trial.reported:  # A job followed again: what the earlier sweep reported stands.
                     asked.report(value, step)
-                board.epoch(trial, epoch, value, fit=fit)
+                if step > trial.promoted:  # A promoted attempt's earlier epochs were said.
+                    board.epoch(trial, epoch, value, fit=fit)
             key = study_lib.word_key(fit, epoch)
             if self.prunes and key not in trial.words:  # An epoch of an earlier attempt keeps its word.
                 # Without the metric (a NaN, or a name its epochs do not log) the trial goes on:
                 # it ends failed, saying which metrics it logs, instead of waiting for a word.
-                trial.words[key] = "prune" if usable and asked.should_prune() else "go"
+                trial.words[key] = self._word(asked, trial, step, fit) if usable else "go"
                 asked.set_user_attr(key, trial.words[key])
+
+    def _word(self, asked, trial: Trial, step: int, fit: int) -> str:
+        """The pruner's word on the trial's `step`; with a ladder, a pause is recorded on it."""
+        if self.ladder is None:
+            return "prune" if asked.should_prune() else "go"
+        study = asked.study
+        if fit == 1 and trial.epochs and sweep_promotion.EPOCHS not in study.user_attrs:
+            study.set_user_attr(sweep_promotion.EPOCHS, trial.epochs)  # Hyperband's brackets from now on.
+        everyone = sweep_promotion.values_of(study)
+        me = next(v for v in everyone if sweep_results.trial_id(v.params) == trial.id)
+        word = self.ladder.word(everyone, me, step, last=trial.epochs if fit == 1 else None)
+        if word == "prune":
+            asked.set_user_attr(sweep_promotion.PAUSED, step)
+            trial.paused = True
+        return word
 
 
 def _started(pid: int) -> str | None:
