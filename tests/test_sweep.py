@@ -247,6 +247,10 @@ def test_the_ladder_pauses_below_the_top_share_and_promotes_the_highest_rung_fir
     fourth.paused, fourth.curve = 2, {1: 0.3, 2: 0.3}
     assert ladder.promotion([first, second, third, fourth]) is third  # The higher rung before the lower.
     assert [ladder.word([fourth], fourth, 2, last=last) for last in (2, None)] == ["go", "prune"]  # Its end: none.
+    # Every value drawn, none running: the best paused at the highest rung none went past.
+    assert ladder.last_promotion([first, second, third, fourth]) is third
+    third.paused, third.curve = None, {1: 0.1, 2: 0.2, 3: 0.2}
+    assert ladder.last_promotion([first, second, third, fourth]) is None  # Third went past rung 2.
     hyperband = sweep_promotion.Ladder("max", eta=3, hyperband=True)
     assert hyperband.brackets(9) == 3 and hyperband.brackets(None) == 1
     assert [[s for s in range(1, 30) if hyperband.is_rung(s, b, last=27)] for b in range(3)] == [

@@ -275,14 +275,20 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
             return ask(study, sweep.space), None
         everyone = sweep_promotion.values_of(study)
         if (up := ladder.promotion(everyone)) is not None:
-            study.enqueue_trial(up.params, user_attrs={sweep_promotion.PROMOTED: up.paused})
-            return ask(study, sweep.space), None
+            return promote(up), None
         if len(everyone) + sum("same_as" in t.user_attrs for t in study.get_trials(deepcopy=False)) < total:
             asked = ask_new(study, sweep.space, sweep.sampler)
             brackets = ladder.brackets(study.user_attrs.get(sweep_promotion.EPOCHS))
             asked.set_user_attr(sweep_promotion.BRACKET, len(everyone) % brackets)
             return asked, None
+        if not under_way[0] and (up := ladder.last_promotion(everyone)) is not None:
+            return promote(up), None
         return None
+
+    def promote(paused):
+        """An attempt of `paused`'s values that resumes after its rung (none else waits: `pick`)."""
+        study.enqueue_trial(paused.params, user_attrs={sweep_promotion.PROMOTED: paused.paused})
+        return ask(study, sweep.space)
 
     def next_trial():
         """`pick`'s trial, counted as under way; None once there is none to run. With a ladder,

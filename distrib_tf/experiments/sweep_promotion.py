@@ -9,15 +9,18 @@ A trial that reaches a rung goes on if its value there ranks in the top `n // et
 `distrib_tf.keras.pruning`). Each time a trial may start, a paused trial that ranks in the
 top `n // eta` of its rung now (later trials reached it) is promoted before new values are
 drawn: a new attempt of its values, in its directory, resumes from that backup at that step,
-so the epochs it trained are not trained again (Optuna's pruners and Ray Tune's ASHA stop a
-trial for good; KerasTuner's Hyperband trains a promoted trial from its first epoch).
+so the epochs it trained are not trained again, and it ends on the weights of the same
+values trained without a pause (Optuna's pruners stop a trial for good).
 Successive halving is the one bracket `b = 0`; Hyperband has brackets `0 .. s` for
 `s = floor(log_eta(E / r))`, `E` the first fit's epochs as the first trial reported them,
 new values going to them in turn.
 
 Everything is read from the study (each attempt an Optuna trial: `promoted` on a promoted
 attempt, `paused` on a paused one, `bracket` on the first): a sweep started again schedules
-as the one it replaces. A paused trial never promoted ends the sweep as pruned. This module
+as the one it replaces. With a budget of values (`--trials`), once every value was drawn and
+no trial runs, the best paused trial at a bracket's highest rung that no trial went past is
+promoted all the same (`Ladder.last_promotion`): each bracket ends with a trial trained to
+its end. A paused trial never promoted ends the sweep as pruned. This module
 imports no TensorFlow.
 """
 
@@ -90,6 +93,22 @@ class Ladder:
                 waiting = [v for v in mine if v.paused == step and v.first in top]
                 if waiting:
                     return min(waiting, key=lambda v: top.index(v.first))
+        return None
+
+
+    def last_promotion(self, everyone: list[Values]) -> Values | None:
+        """Once no values are left to draw and no trial runs: the best paused at the highest rung
+        of a bracket that no trial went past, so that each bracket ends with a trial trained
+        to its end (a top share of a few is none), else None."""
+        for bracket in sorted({v.bracket for v in everyone}):
+            mine = [v for v in everyone if v.bracket == bracket]
+            paused = [v for v in mine if v.paused]
+            if not paused:
+                continue
+            step = max(v.paused for v in paused)
+            if not any(max(v.curve, default=0) > step for v in mine):
+                sign = -1 if self.mode == "max" else 1
+                return min((v for v in paused if v.paused == step), key=lambda v: (sign * v.curve[step], v.first))
         return None
 
 
