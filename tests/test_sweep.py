@@ -251,10 +251,39 @@ def test_the_ladder_pauses_below_the_top_share_and_promotes_the_highest_rung_fir
     assert ladder.last_promotion([first, second, third, fourth]) is third
     third.paused, third.curve = None, {1: 0.1, 2: 0.2, 3: 0.2}
     assert ladder.last_promotion([first, second, third, fourth]) is None  # Third went past rung 2.
+    fourth.to_end = True  # Promoted at the sweep's end: no rung pauses it.
+    assert ladder.word([fourth], fourth, 2) == "go"
     hyperband = sweep_promotion.Ladder("max", eta=3, hyperband=True)
     assert hyperband.brackets(9) == 3 and hyperband.brackets(None) == 1
+    drawn = [sweep_promotion.Values({"units": n}, None, n, {}, None, True) for n in range(4)]
+    assert [hyperband.bracket_of(drawn, v, 9) for v in drawn] == [0, 1, 2, 0]  # In turn, in the order drawn.
     assert [[s for s in range(1, 30) if hyperband.is_rung(s, b, last=27)] for b in range(3)] == [
         [1, 3, 9], [3, 9], [9]]
+
+
+def test_a_killed_sweep_retries_a_promoted_attempt_and_keeps_a_pause_it_said(tmp_path):
+    """The sweep killed while units=4's promoted attempt ran, and just after it paused units=8
+    (before telling Optuna): started again, it runs the promoted attempt again as a promotion,
+    and units=8 stays paused at its rung instead of running on past it."""
+    states = sweep.optuna_module().trial.TrialState
+    space = sweep.parse_space("units=[4,8]", kinds=None)
+    study = sweep.open_study(str(tmp_path), space, sampler="grid", seed=0, mode="min")
+    paused = sweep.ask_new(study, space, "grid")
+    paused.report(0.5, 1)
+    paused.set_user_attr(sweep_promotion.PAUSED, 1)
+    study.tell(paused, state=states.PRUNED)
+    study.enqueue_trial({"units": 4}, user_attrs={sweep_promotion.PROMOTED: 1})
+    promoted = sweep.ask(study, space)
+    promoted.report(0.5, 1)
+    promoted.report(0.4, 2)
+    pausing = sweep.ask_new(study, space, "grid")
+    pausing.report(0.9, 1)
+    pausing.set_user_attr(sweep_promotion.PAUSED, 1)
+    _, retry, _ = sweep.leftovers(study, sweep.optuna_module())  # Tells both running ones failed.
+    assert retry == [({"units": 4}, {sweep_promotion.PROMOTED: 1})]
+    values = {v.params["units"]: v for v in sweep_promotion.values_of(study)}
+    assert (values[4].paused, values[8].paused) == (None, 1)
+    assert sweep_promotion.saved(study) == (1, 3, 4)  # Epochs 1 and 2 of units=4, 1 of units=8; 1 again.
 
 
 @pytest.mark.multiworker

@@ -118,9 +118,9 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
         values = suggest(asked, sweep.space)
         trial = Trial(asked.number, values, os.path.join(sweep.sweep_dir, f"trial-{sweep_results.trial_id(values)}"),
                       promoted=int(asked.user_attrs.get(sweep_promotion.PROMOTED, 0)))
-        if trial.promoted:  # Paused, and promoted: its attempts so far are not its result.
-            ended.pop(trial.id, None)
         with changed:  # A sampler may draw the values of a trial under way: never two runs of them at once.
+            if trial.promoted:  # Paused, and promoted: its attempts so far are not its result.
+                ended.pop(trial.id, None)
             if trial.id in busy:
                 sweep.say(f"trial {trial.number} {values}: the same as trial {busy[trial.id]}, which runs; "
                           "waits for its result")
@@ -277,17 +277,15 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
         if (up := ladder.promotion(everyone)) is not None:
             return promote(up), None
         if len(everyone) + sum("same_as" in t.user_attrs for t in study.get_trials(deepcopy=False)) < total:
-            asked = ask_new(study, sweep.space, sweep.sampler)
-            brackets = ladder.brackets(study.user_attrs.get(sweep_promotion.EPOCHS))
-            asked.set_user_attr(sweep_promotion.BRACKET, len(everyone) % brackets)
-            return asked, None
+            return ask_new(study, sweep.space, sweep.sampler), None
         if not under_way[0] and (up := ladder.last_promotion(everyone)) is not None:
-            return promote(up), None
+            return promote(up, to_end=True), None
         return None
 
-    def promote(paused):
+    def promote(paused, *, to_end=False):
         """An attempt of `paused`'s values that resumes after its rung (none else waits: `pick`)."""
-        study.enqueue_trial(paused.params, user_attrs={sweep_promotion.PROMOTED: paused.paused})
+        attrs = {sweep_promotion.PROMOTED: paused.paused, **({sweep_promotion.TO_END: True} if to_end else {})}
+        study.enqueue_trial(paused.params, user_attrs=attrs)
         return ask(study, sweep.space)
 
     def next_trial():
@@ -320,7 +318,8 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
                     under_way[0] -= 1
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    parallel = max(parallel, min(len(adopted), left[0]))  # Every job still on the engine is followed.
+    # Every job still on the engine is followed.
+    parallel = max(parallel, len(adopted) if ladder else min(len(adopted), left[0]))
     try:
         if left[0] > 0 or ladder is not None:  # A ladder may promote when every value was drawn.
             board.start(total + sum(sweep_promotion.PROMOTED in t.user_attrs for t in done), len(done))
@@ -357,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.promote and args.pruner not in ("halving", "hyperband"):
             raise ValueError(f"Invalid value for `--pruner` with --promote. Received: {args.pruner}. Expected "
                              "halving or hyperband, whose rungs pause and promote a trial.")
-        if args.reduction_factor < 2:
+        if args.reduction_factor is not None and args.reduction_factor < 2:
             raise ValueError(f"Invalid value for `--reduction_factor`. Received: {args.reduction_factor}. "
                              "Expected an integer >= 2.")
         off_host = args.engine != "local"
@@ -391,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.storage:
             os.makedirs(args.sweep_dir, exist_ok=True)
         study = open_study(args.sweep_dir, space, sampler=args.sampler, seed=args.seed, mode=args.mode,
-                           pruner="none" if args.promote else args.pruner, startup_trials=args.pruner_startup_trials,
+                           pruner="none" if args.promote else args.pruner, reduction_factor=args.reduction_factor,
+                           startup_trials=args.pruner_startup_trials,
                            warmup_epochs=args.pruner_warmup_epochs, storage=url, study_name=args.study_name,
                            program=program_of(command, main_job))
     except ValueError as e:  # ClusterSpecError included.
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep = Sweep(space, os.path.abspath(args.sweep_dir) if off_host else args.sweep_dir, command, where,
                   args.metric, args.mode, args.pruner != "none", storage=url, study_name=args.study_name,
                   workers=per_trial if shares else 0, parallel=parallel, engine=engine, sampler=args.sampler,
-                  ladder=sweep_promotion.Ladder(args.mode, eta=args.reduction_factor,
+                  ladder=sweep_promotion.Ladder(args.mode, eta=args.reduction_factor or 3,
                                                 min_epochs=max(1, args.pruner_warmup_epochs),
                                                 hyperband=args.pruner == "hyperband") if args.promote else None)
     board = sweep_results.Board(args.metric, args.mode, sys.stdout)

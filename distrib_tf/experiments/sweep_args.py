@@ -57,8 +57,9 @@ def parse_args(argv: list[str]):
                         help="with --pruner=halving or hyperband: pause a trial at a rung where it does not "
                              "rank, and promote it from its backup, at its step, once it ranks there (ASHA with "
                              "promotion; --trials counts new values)")
-    parser.add_argument("--reduction_factor", type=int, default=3,
-                        help="--promote: the share of a rung's trials that go on is 1/this (default: 3)")
+    parser.add_argument("--reduction_factor", type=int,
+                        help="halving, hyperband: the share of a rung's trials that go on is 1/this (default: "
+                             "Optuna's, 4 for halving and 3 for hyperband; with --promote, 3)")
     parser.add_argument("--engine", default="local", choices=sweep_engines.ENGINES,
                         help="where trials run: local (this host's slots), slurm (each trial a batch job "
                              "of `distrib-tf-export slurm`, through sbatch, squeue, scontrol and scancel) or ray "

@@ -13,14 +13,16 @@ so the epochs it trained are not trained again, and it ends on the weights of th
 values trained without a pause (Optuna's pruners stop a trial for good).
 Successive halving is the one bracket `b = 0`; Hyperband has brackets `0 .. s` for
 `s = floor(log_eta(E / r))`, `E` the first fit's epochs as the first trial reported them,
-new values going to them in turn.
+values going to them in turn, in the order drawn, at their first rung.
 
 Everything is read from the study (each attempt an Optuna trial: `promoted` on a promoted
 attempt, `paused` on a paused one, `bracket` on the first): a sweep started again schedules
 as the one it replaces. With a budget of values (`--trials`), once every value was drawn and
 no trial runs, the best paused trial at a bracket's highest rung that no trial went past is
-promoted all the same (`Ladder.last_promotion`): each bracket ends with a trial trained to
-its end. A paused trial never promoted ends the sweep as pruned. This module
+promoted all the same, to train to its end without another pause (`Ladder.last_promotion`):
+a bracket whose trials do not fail ends with one trained to its end. An attempt interrupted
+once the sweep said its pause counts as paused. A paused trial never promoted ends the sweep
+as pruned. A fit's last epoch is never a rung. This module
 imports no TensorFlow.
 """
 
@@ -31,9 +33,10 @@ from distrib_tf.experiments import sweep_results
 from distrib_tf.experiments import sweep_study
 from distrib_tf.experiments.sweep_study import optuna_module
 
-PAUSED = "paused"  # User attribute of an attempt the ladder paused: the step of its rung.
+PAUSED = sweep_study.PAUSED  # User attribute of an attempt the ladder paused: the step of its rung.
 PROMOTED = sweep_study.PROMOTED  # Of an attempt that resumes a paused one: the step it resumes after.
-BRACKET = "bracket"  # Of a trial's first attempt.
+TO_END = sweep_study.TO_END  # Of one promoted at the sweep's end (`Ladder.last_promotion`): no rung pauses it.
+BRACKET = "bracket"  # Of the attempt whose first rung placed the values in a bracket.
 EPOCHS = "epochs_per_trial"  # Study attribute: the first fit's epochs, once a trial reported them.
 
 
@@ -42,11 +45,12 @@ class Values:
     """One set of values, over all its attempts (Optuna trials of those params)."""
 
     params: dict
-    bracket: int
+    bracket: int | None  # None until its first rung (`bracket_of`).
     first: int  # Its first attempt's number.
     curve: dict  # Step -> the metric, over every attempt.
     paused: int | None  # The rung it waits at, if its last attempt was paused and not promoted.
     running: bool
+    to_end: bool = False  # Promoted to train to its end (`Ladder.last_promotion`).
 
 
 @dataclasses.dataclass
@@ -76,16 +80,22 @@ class Ladder:
         ranked = sorted(values, key=lambda v: (sign * v[0], v[1]))
         return [number for _, number in ranked[:len(ranked) // self.eta]]
 
+    def bracket_of(self, everyone: list[Values], me: Values, epochs: int | None) -> int:
+        """`me`'s bracket: its own, else its turn among the values in the order first drawn."""
+        if me.bracket is not None:
+            return me.bracket
+        return sorted(v.first for v in everyone).index(me.first) % self.brackets(epochs)
+
     def word(self, everyone: list[Values], me: Values, step: int, last: int | None = None) -> str:
         """`prune` (pause) if `step` is a rung of `me`'s bracket where it does not rank, else `go`."""
-        if not self.is_rung(step, me.bracket, last) or step not in me.curve:
+        if me.to_end or not self.is_rung(step, me.bracket, last) or step not in me.curve:
             return "go"
         there = [(v.curve[step], v.first) for v in everyone if v.bracket == me.bracket and step in v.curve]
         return "go" if me.first in self._top(there) else "prune"
 
     def promotion(self, everyone: list[Values]) -> Values | None:
         """The paused values to promote now, the highest rung first, else None."""
-        for bracket in sorted({v.bracket for v in everyone}):
+        for bracket in sorted({v.bracket for v in everyone} - {None}):
             mine = [v for v in everyone if v.bracket == bracket]
             for step in sorted({v.paused for v in mine if v.paused}, reverse=True):
                 there = [(v.curve[step], v.first) for v in mine if step in v.curve]
@@ -98,9 +108,9 @@ class Ladder:
 
     def last_promotion(self, everyone: list[Values]) -> Values | None:
         """Once no values are left to draw and no trial runs: the best paused at the highest rung
-        of a bracket that no trial went past, so that each bracket ends with a trial trained
-        to its end (a top share of a few is none), else None."""
-        for bracket in sorted({v.bracket for v in everyone}):
+        of a bracket that no trial went past (a top share of a few is none), promoted to train
+        to its end without another pause (`TO_END`), else None."""
+        for bracket in sorted({v.bracket for v in everyone} - {None}):
             mine = [v for v in everyone if v.bracket == bracket]
             paused = [v for v in mine if v.paused]
             if not paused:
@@ -126,23 +136,29 @@ def values_of(study) -> list[Values]:
         for t in attempts:
             curve.update(t.intermediate_values)
         last = attempts[-1]
-        paused = last.user_attrs.get(PAUSED) if last.state == states.PRUNED else None
-        found.append(Values(attempts[0].params, int(attempts[0].user_attrs.get(BRACKET, 0)), attempts[0].number,
-                            curve, paused, last.state == states.RUNNING))
+        # Paused at a rung: pruned, or interrupted once the word was said (the sweep killed then).
+        paused = last.user_attrs.get(PAUSED) if last.state in (states.PRUNED, states.FAIL) and \
+            "cause" not in last.user_attrs else None
+        bracket = next((int(a.user_attrs[BRACKET]) for a in attempts if BRACKET in a.user_attrs), None)
+        found.append(Values(attempts[0].params, bracket, attempts[0].number, curve, paused,
+                            last.state == states.RUNNING, bool(last.user_attrs.get(TO_END))))
     return found
 
 
 def saved(study) -> tuple[int, int, int]:
     """(promotions, epochs the sweep trained, epochs it would have trained had every promoted
-    attempt started over): each attempt trains from the step it resumes after to its last."""
+    attempt started over): each attempt trains from where the attempts of its values before
+    it ended (a promoted one: its rung; an interrupted one's retry: its backup, about there)."""
     states = optuna_module().trial.TrialState
     promotions = trained = over = 0
+    reached: dict[str, int] = {}  # Values -> the last step their attempts so far reported.
     for t in study.get_trials(deepcopy=False):
         if not t.params or t.state == states.WAITING or "same_as" in t.user_attrs:
             continue
-        last = max(t.intermediate_values, default=0)
-        start = int(t.user_attrs.get(PROMOTED, 0))
+        key, last = sweep_results.trial_id(t.params), max(t.intermediate_values, default=0)
+        start = reached.get(key, 0)
         promotions += PROMOTED in t.user_attrs
         trained += max(0, last - start)
-        over += last
+        over += last if PROMOTED in t.user_attrs else max(0, last - start)
+        reached[key] = max(start, last)
     return promotions, trained, over

@@ -215,8 +215,8 @@ class Board:
         """A paused trial promoted (`sweep_promotion`): one more attempt to end."""
         self._running[trial.number] = trial
         self.total += 1
-        self.say(f"trial {trial.number} {trial.values}: promoted, resumes from its backup after its epoch "
-                 f"{trial.promoted} in {trial.model_dir}")
+        self.say(f"trial {trial.number} {trial.values}: promoted, resumes from its backup after {trial.promoted} "
+                 f"epoch(s) in {trial.model_dir}")
 
     def epoch(self, trial, epoch: int, value: float, *, fit: int = 1) -> None:
         which = f"fit {fit} " if fit > 1 else ""

@@ -14,7 +14,9 @@ from distrib_tf.experiments.sweep_space import Dimension
 from distrib_tf.experiments.sweep_space import suggest
 
 PRUNERS = ("none", "median", "halving", "hyperband")
-PROMOTED = "promoted"  # User attribute of an attempt that resumes a paused one (`sweep_promotion`).
+# User attributes of `sweep_promotion`'s attempts: one that resumes a paused one (the step it
+# resumes after), one paused at a rung (its step), one promoted to train to its end.
+PROMOTED, PAUSED, TO_END = "promoted", "paused", "to_end"
 
 
 def optuna_module():
@@ -28,18 +30,19 @@ def optuna_module():
     return optuna
 
 
-def make_pruner(name: str, *, startup_trials: int = 2, warmup_epochs: int = 0):
-    """Optuna's pruner called `name` (`PRUNERS`)."""
+def make_pruner(name: str, *, startup_trials: int = 2, warmup_epochs: int = 0, reduction_factor: int | None = None):
+    """Optuna's pruner called `name` (`PRUNERS`); `reduction_factor` None: Optuna's default."""
     pruners = optuna_module().pruners
+    factor = {} if reduction_factor is None else {"reduction_factor": reduction_factor}
     return {"none": pruners.NopPruner,
             "median": lambda: pruners.MedianPruner(n_startup_trials=startup_trials, n_warmup_steps=warmup_epochs),
-            "halving": lambda: pruners.SuccessiveHalvingPruner(min_resource=max(1, warmup_epochs)),
-            "hyperband": lambda: pruners.HyperbandPruner(min_resource=max(1, warmup_epochs))}[name]()
+            "halving": lambda: pruners.SuccessiveHalvingPruner(min_resource=max(1, warmup_epochs), **factor),
+            "hyperband": lambda: pruners.HyperbandPruner(min_resource=max(1, warmup_epochs), **factor)}[name]()
 
 
 def open_study(sweep_dir: str, space: list[Dimension], *, sampler: str, seed: int, mode: str,
                pruner: str = "none", startup_trials: int = 2, warmup_epochs: int = 0, storage: str | None = None,
-               study_name: str = "distrib_tf", program: str | None = None):
+               study_name: str = "distrib_tf", program: str | None = None, reduction_factor: int | None = None):
     """The sweep's Optuna study at `storage` (a URL of `distrib_tf.study.parse_url`; default: the
     SQLite file `sweep_dir/study.db`): created, or loaded to go on.
 
@@ -55,7 +58,8 @@ def open_study(sweep_dir: str, space: list[Dimension], *, sampler: str, seed: in
     url = storage or study_lib.default_url(sweep_dir)
     study = optuna.create_study(study_name=study_name, storage=study_lib.open_storage(url), load_if_exists=True,
                                 direction="maximize" if mode == "max" else "minimize",
-                                pruner=make_pruner(pruner, startup_trials=startup_trials, warmup_epochs=warmup_epochs))
+                                pruner=make_pruner(pruner, startup_trials=startup_trials, warmup_epochs=warmup_epochs,
+                                                   reduction_factor=reduction_factor))
     if program is not None:
         names, made = [d.name for d in space], study.user_attrs
         if "program" in made and (made["program"], made.get("space")) != (program, names):
@@ -108,12 +112,14 @@ def leftovers(study, optuna, *, engine: str | None = None) -> tuple[list, list[t
     trials = study.get_trials(deepcopy=False)
     done = [t for t in trials if t.state in (states.COMPLETE, states.PRUNED)
             or (t.state == states.FAIL and "cause" in t.user_attrs)]
-    covered = [t.params for t in done + followed] + [t.params for t in trials if t.state == states.WAITING]
-    retry = []
+    latest = {}  # The values' last attempt (a draw that repeated a trial's values is none).
     for t in trials:
-        if t.state == states.FAIL and "cause" not in t.user_attrs and t.params not in covered and t.params:
-            covered.append(t.params)
-            retry.append((t.params, {k: t.user_attrs[k] for k in (PROMOTED,) if k in t.user_attrs}))
+        if t.params and t.state != states.WAITING and "same_as" not in t.user_attrs:
+            latest[sweep_results.trial_id(t.params)] = t
+    retry = []
+    for t in latest.values():  # Its last attempt interrupted, not paused at a rung (`sweep_promotion`).
+        if t.state == states.FAIL and "cause" not in t.user_attrs and PAUSED not in t.user_attrs:
+            retry.append((t.params, {k: t.user_attrs[k] for k in (PROMOTED, TO_END) if k in t.user_attrs}))
     return done, retry, followed
 
 

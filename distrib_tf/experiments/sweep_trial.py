@@ -140,19 +140,25 @@ class Sweep:
             if self.prunes and key not in trial.words:  # An epoch of an earlier attempt keeps its word.
                 # Without the metric (a NaN, or a name its epochs do not log) the trial goes on:
                 # it ends failed, saying which metrics it logs, instead of waiting for a word.
-                trial.words[key] = self._word(asked, trial, step, fit) if usable else "go"
+                trial.words[key] = self._word(asked, trial, step, epoch) if usable else "go"
                 asked.set_user_attr(key, trial.words[key])
 
-    def _word(self, asked, trial: Trial, step: int, fit: int) -> str:
-        """The pruner's word on the trial's `step`; with a ladder, a pause is recorded on it."""
+    def _word(self, asked, trial: Trial, step: int, epoch: int) -> str:
+        """The pruner's word on the trial's `step` (`epoch` of its fit); with a ladder, a fit's
+        last epoch is never a rung, and a pause is recorded on the attempt."""
         if self.ladder is None:
             return "prune" if asked.should_prune() else "go"
         study = asked.study
-        if fit == 1 and trial.epochs and sweep_promotion.EPOCHS not in study.user_attrs:
+        if trial.epochs and sweep_promotion.EPOCHS not in study.user_attrs:
             study.set_user_attr(sweep_promotion.EPOCHS, trial.epochs)  # Hyperband's brackets from now on.
         everyone = sweep_promotion.values_of(study)
         me = next(v for v in everyone if sweep_results.trial_id(v.params) == trial.id)
-        word = self.ladder.word(everyone, me, step, last=trial.epochs if fit == 1 else None)
+        if me.bracket is None:  # Its first judgement: its turn among the brackets.
+            me.bracket = self.ladder.bracket_of(everyone, me, study.user_attrs.get(sweep_promotion.EPOCHS))
+            asked.set_user_attr(sweep_promotion.BRACKET, me.bracket)
+        if epoch >= trial.epochs:
+            return "go"
+        word = self.ladder.word(everyone, me, step)
         if word == "prune":
             asked.set_user_attr(sweep_promotion.PAUSED, step)
             trial.paused = True
