@@ -1,279 +1,37 @@
 """Each Kubernetes engine's restart rules, played against real pods of the exports.
 
-No API server runs here, so this plays the engine: each pod of what `distrib-tf-export`
-writes runs as a local process in a network namespace of its own (the pod's IP), its
-DNS name in that namespace's hosts file (`ip netns exec` mounts
-`/etc/netns/NAME/hosts`), its volume a directory (the claim, or the claim's sub-path of
-that pod), the container's command and environment as the engine would give them
-(`$(JOB_COMPLETION_INDEX)`; the Training Operator's `TF_CONFIG`). When a pod ends, the
-engine's documented rule, taken from its code, decides:
-
-- Job (`batch/v1`, pkg/controller/job): the first `podFailurePolicy` rule that matches
-  (`Ignore`: recreate the pod, not counted; `FailJob`); else the failure counts, and past
-  `backoffLimit` the Job fails; else the pod is recreated.
-- JobSet 0.12 (pkg/controllers/failure_policy.go): the Job fails as above (its
-  `backoffLimit` is 0); the first JobSet rule whose reasons and message patterns match
-  acts; none: `RestartJobSet`, counted against `maxRestarts`. A restart deletes every
-  pod (SIGTERM, then SIGKILL after the grace period) and creates them all again. A
-  TrainJob's JobSet is the same.
-- TFJob 1.9 (`ExitCode`, pkg/controller.v1/common/pod.go): exit code 128 or more
-  recreates that pod; 1 to 127 fails the TFJob.
+No API server runs here: `kube_pods` plays the engine over the pods of what
+`distrib-tf-export` writes, each a local process in a network namespace of its own, and
+the engine's documented rule decides what a pod's exit does (see that module).
 
 Needs root and iproute2 (skips elsewhere; `DISTRIB_TF_REQUIRE_NETNS=1` fails instead).
 `make test-engines` runs these (each a real two-worker training, minutes in all); the
 rules themselves, per exit code, are in `test_export.py`.
 """
 
-import dataclasses
+import contextlib
+import csv
+import glob
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-import yaml
 
 import netns
 from cluster_runner import QUIET_TF
+from distrib_tf import events
 from distrib_tf import exit_codes
+from kube_pods import ENGINES
+from kube_pods import ROOT
+from kube_pods import Cluster
+from kube_pods import JobSetEngine
 
 pytestmark = pytest.mark.engines
-
-ROOT = os.path.dirname(os.path.dirname(__file__))
-BIN = os.path.dirname(sys.executable)  # distrib-tf-launch, as in the image.
-NAME = "dtf"
-JOB_FLAGS = ["python", "-m", "distrib_tf.train", "--epochs=2", "--steps_per_epoch=30",
-             "--backup_every_steps=5", "--collective_timeout=20", "--model_dir=/runs/cnn"]
-
-
-@dataclasses.dataclass
-class Pod:
-    index: int
-    hostname: str  # Its DNS name, as the engine's headless service gives it.
-    command: list
-    env: dict
-    volume: str  # What the engine mounts at /runs for it.
-    proc: subprocess.Popen | None = None
-
-
-def _export(engine, *options):
-    result = subprocess.run(
-        [sys.executable, "-m", "distrib_tf.deploy", "kubernetes", f"--engine={engine}",
-         f"--cluster_spec={ROOT}/cluster_specs/local_2workers.json", f"--name={NAME}",
-         "--image=registry.example/job:1", "--volume_claim=runs", *options, "--", *JOB_FLAGS],
-        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=30)
-    assert result.returncode == 0, result.stderr
-    return {d["kind"]: d for d in yaml.safe_load_all(result.stdout)}
-
-
-class Engine:
-    """Plays one engine's rules over the pods of its manifests (see the module docstring)."""
-
-    def __init__(self, engine, base, *options):
-        self.manifests = _export(engine, *options)
-        self.base = base
-        self.log = []  # What the engine did, in order: the test's record.
-
-    def _substitute(self, command, pod_env, volume, spec_file=None):
-        out = []
-        for arg in command:
-            for key, value in pod_env.items():
-                arg = arg.replace(f"$({key})", value)
-            if spec_file and arg == "--cluster_spec=/etc/distrib_tf/spec.json":
-                arg = f"--cluster_spec={spec_file}"
-            out.append(arg.replace("/runs", volume))
-        return out
-
-
-class JobSetEngine(Engine):
-    def __init__(self, engine, base, *options):
-        super().__init__(engine, base, *options)
-        body = (self.manifests["JobSet"]["spec"] if "JobSet" in self.manifests
-                else self.manifests["TrainingRuntime"]["spec"]["template"]["spec"])
-        self.policy = body["failurePolicy"]
-        replicated = body["replicatedJobs"][0]
-        self.job = replicated["template"]["spec"]
-        self.container = self.job["template"]["spec"]["containers"][0]
-        self.grace = self.job["template"]["spec"]["terminationGracePeriodSeconds"]
-        self.restarts = 0
-        spec_file = os.path.join(base, "spec.json")
-        with open(spec_file, "w") as f:
-            f.write(self.manifests["ConfigMap"]["data"]["spec.json"])
-        self.pods = []
-        for i in range(self.job["completions"]):
-            env = {"JOB_COMPLETION_INDEX": str(i)}
-            mount = next(m for m in self.container["volumeMounts"] if m["name"] == "runs")
-            volume = os.path.join(base, "claim", mount.get("subPathExpr", "").replace(
-                "$(JOB_COMPLETION_INDEX)", str(i)))
-            self.pods.append(Pod(i, f"{NAME}-{replicated['name']}-0-{i}.{NAME}",
-                                 self._substitute(self.container["command"], env, volume, spec_file), env, volume))
-
-    def on_exit(self, pod, code):
-        """The Job fails at once (podFailurePolicy, or backoffLimit 0); the JobSet's rules act."""
-        for index, rule in enumerate(self.job["podFailurePolicy"]["rules"]):
-            on_exit = rule.get("onExitCodes")
-            if on_exit and (code in on_exit["values"]) == (on_exit["operator"] == "In"):
-                assert rule["action"] == "FailJob"
-                reason = "PodFailurePolicy"
-                message = (f"Container {self.container['name']} for pod default/{pod.hostname} failed "
-                           f"with exit code {code} matching FailJob rule at index {index}")
-                break
-        else:
-            assert self.job["backoffLimit"] == 0
-            reason, message = "BackoffLimitExceeded", "Job has reached the specified backoff limit"
-        action = "RestartJobSet"
-        for rule in self.policy["rules"]:
-            if reason in rule.get("onJobFailureReasons", [reason]) and any(
-                    re.search(p, message) for p in rule.get("onJobFailureMessagePatterns", ["."])):
-                action = rule["action"]
-                break
-        if action == "RestartJobSet":
-            if self.restarts >= self.policy["maxRestarts"]:
-                action = "FailJobSet"
-            else:
-                self.restarts += 1
-        self.log.append((pod.index, code, action))
-        return {"FailJobSet": "fail"}.get(action, "restart_all")
-
-
-class TFJobEngine(Engine):
-    def __init__(self, base, *options):
-        super().__init__("tfjob", base, *options)
-        replica = self.manifests["TFJob"]["spec"]["tfReplicaSpecs"]["Worker"]
-        container = replica["template"]["spec"]["containers"][0]
-        port = container["ports"][0]["containerPort"]
-        self.grace = replica["template"]["spec"]["terminationGracePeriodSeconds"]
-        hostnames = [f"{NAME}-worker-{i}.default.svc" for i in range(replica["replicas"])]
-        self.pods = []
-        for i, hostname in enumerate(hostnames):
-            # The operator's TF_CONFIG (pkg/controller.v1/tensorflow/tensorflow.go, genTFConfigJSONStr).
-            tf_config = {"cluster": {"worker": [f"{h}:{port}" for h in hostnames]},
-                         "task": {"type": "worker", "index": i}, "environment": "cloud"}
-            env = {"POD_NAME": f"{NAME}-worker-{i}", "TF_CONFIG": json.dumps(tf_config)}
-            volume = os.path.join(base, "claim", env["POD_NAME"])  # subPathExpr: $(POD_NAME).
-            self.pods.append(Pod(i, hostname, self._substitute(container["command"], env, volume), env, volume))
-
-    def on_exit(self, pod, code):
-        action = "recreate_pod" if code >= 128 else "fail"  # IsRetryableExitCode.
-        self.log.append((pod.index, code, action))
-        return action
-
-
-class JobEngine(Engine):
-    def __init__(self, base, *options):
-        super().__init__("job", base, *options)
-        self.job = self.manifests["Job"]["spec"]
-        container = self.job["template"]["spec"]["containers"][0]
-        self.grace = self.job["template"]["spec"]["terminationGracePeriodSeconds"]
-        self.failures = 0
-        spec_file = os.path.join(base, "spec.json")
-        with open(spec_file, "w") as f:
-            f.write(self.manifests["ConfigMap"]["data"]["spec.json"])
-        volume = os.path.join(base, "claim")  # One claim, shared.
-        self.pods = [Pod(i, f"{NAME}-{i}.{NAME}", self._substitute(
-            container["command"], {"JOB_COMPLETION_INDEX": str(i)}, volume, spec_file),
-            {"JOB_COMPLETION_INDEX": str(i)}, volume) for i in range(self.job["completions"])]
-
-    def on_exit(self, pod, code):
-        for rule in self.job["podFailurePolicy"]["rules"]:
-            on_exit = rule.get("onExitCodes")
-            if on_exit and (code in on_exit["values"]) == (on_exit["operator"] == "In"):
-                action = {"Ignore": "recreate_pod", "FailJob": "fail"}[rule["action"]]
-                break
-        else:
-            self.failures += 1
-            action = "fail" if self.failures > self.job["backoffLimit"] else "recreate_pod"
-        self.log.append((pod.index, code, action))
-        return action
-
-
-ENGINES = {
-    "jobset": lambda base, *o: JobSetEngine("jobset", base, *o),
-    "trainjob": lambda base, *o: JobSetEngine("trainjob", base, *o),
-    "tfjob": TFJobEngine,
-    "job": JobEngine,
-}
-
-
-class Cluster:
-    """The pods' network: a namespace per pod, the DNS names in each one's hosts file."""
-
-    def __init__(self, hosts, engine):
-        self.hosts, self.engine = hosts, engine
-        lines = "".join(f"{address} {pod.hostname}\n" for pod, (_, address) in zip(engine.pods, hosts))
-        for name, _ in hosts:
-            os.makedirs(f"/etc/netns/{name}", exist_ok=True)
-            with open(f"/etc/netns/{name}/hosts", "w") as f:
-                f.write("127.0.0.1 localhost\n" + lines)
-        self.outputs = {pod.index: open(os.path.join(engine.base, f"pod{pod.index}.log"), "a")
-                        for pod in engine.pods}
-
-    def close(self):
-        for pod in self.engine.pods:
-            if pod.proc and pod.proc.poll() is None:
-                pod.proc.kill()
-                pod.proc.wait()
-        for out in self.outputs.values():
-            out.close()
-        for name, _ in self.hosts:
-            shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
-
-    def start(self, pod):
-        env = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT, "PATH": f"{BIN}:{os.environ['PATH']}", **pod.env}
-        pod.proc = subprocess.Popen(["ip", "netns", "exec", self.hosts[pod.index][0], *pod.command],
-                                    env=env, stdout=self.outputs[pod.index], stderr=subprocess.STDOUT)
-
-    def delete_all(self):
-        """What deleting a pod does: SIGTERM, then SIGKILL after the grace period."""
-        alive = [p for p in self.engine.pods if p.proc.poll() is None]
-        for pod in alive:
-            pod.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.engine.grace
-        for pod in alive:
-            try:
-                pod.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                pod.proc.kill()
-                pod.proc.wait()
-
-    def run(self, deadline_seconds, *, hook=None):
-        """Plays the engine until the job succeeds or fails: `"Succeeded"` or `"Failed"`.
-        `hook(self)`, until it returns True, is called on every pass (a fault to inject)."""
-        for pod in self.engine.pods:
-            self.start(pod)
-        succeeded = set()
-        deadline = time.monotonic() + deadline_seconds
-        while time.monotonic() < deadline:
-            if hook and hook(self):
-                hook = None
-            for pod in self.engine.pods:
-                code = pod.proc.poll()
-                if code is None or pod.index in succeeded:
-                    continue
-                code = 128 - code if code < 0 else code  # A container killed by a signal.
-                if code == exit_codes.OK:
-                    succeeded.add(pod.index)
-                    continue
-                action = self.engine.on_exit(pod, code)
-                if action == "fail":
-                    self.delete_all()
-                    return "Failed"
-                if action == "recreate_pod":
-                    self.start(pod)
-                else:  # restart_all
-                    self.delete_all()
-                    succeeded.clear()
-                    for each in self.engine.pods:
-                        self.start(each)
-                    break
-            if len(succeeded) == len(self.engine.pods):
-                return "Succeeded"
-            time.sleep(0.2)
-        raise AssertionError(f"the job did not end in {deadline_seconds} s: {self.engine.log}")
 
 
 @pytest.fixture
@@ -440,3 +198,121 @@ def test_a_jobset_exported_again_at_another_size_resumes_from_the_same_claim(hos
     assert summary["workers"] == after and summary["resumed_at_step"] == step, summary
     if after > before:  # The new pod's disk was empty: its state came over the collective.
         assert "the state came from a worker that holds it" in _logs(resized), _logs(resized)[-5000:]
+
+
+SWEPT = os.path.join(ROOT, "tests", "workers", "swept_script.py")  # A user's script a sweep runs.
+
+
+def _kubectl(tmp_path) -> str:
+    """A PATH whose `kubectl` is tests/kubectl.py."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kubectl").write_text(f'#!/bin/sh\nexec {sys.executable} {ROOT}/tests/kubectl.py "$@"\n')
+    (bin_dir / "kubectl").chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+def _sweep_output(proc):
+    out, _ = proc.communicate(timeout=900)
+    return out
+
+
+def test_a_sweep_of_two_trials_as_kubernetes_jobs_prunes_one(hosts, tmp_path):
+    """Issue 52 item 1 on Kubernetes: `distrib-tf-sweep --engine=kubernetes`, each trial an
+    Indexed Job of 2 pods (one per simulated node) applied through `kubectl` (tests/kubectl.py
+    plays the API: the Job's rules over real pods), the claim mounted at the same path in the
+    pods as in the sweep's, the study a journal file on it. The sweep is SIGKILLed after the
+    first trial's first epoch: its Job goes on (it is the cluster's), and the same command
+    follows it again. The grid's second trial (a learning rate of 0) is pruned after its first
+    epoch by the median of the first, on both pods, through the study; its Job fails at once
+    on exit 3 (a FailJob rule), so no pod is retried, and no trial runs twice."""
+    claim = tmp_path / "claim"
+    claim.mkdir()
+    api = tmp_path / "api"
+    api.mkdir()
+    env = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT, "DISTRIB_TF_KUBE_API": str(api),
+           "DISTRIB_TF_KUBE_HOSTS": json.dumps(hosts), "PATH": _kubectl(tmp_path)}
+    sweep_dir = claim / "sweep"
+    args = [sys.executable, "-m", "distrib_tf.experiments.sweep", "--engine=kubernetes",
+            "--image=registry.example/job:1", "--volume_claim=runs", f"--claim_mount={claim}",
+            "--workers_per_trial=2", f"--storage=journal:{claim / 'study.log'}", f"--sweep_dir={sweep_dir}",
+            "--space=learning_rate=[0.05,0.0]", "--pruner=median", "--pruner_startup_trials=1",
+            "--metric=val_loss", "--mode=min", "--", "python", SWEPT, "--epochs=2"]
+
+    def sweep():
+        return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    try:
+        killed = sweep()
+        deadline = time.monotonic() + 300
+        while not (found := glob.glob(f"{sweep_dir}/trial-*/events.jsonl")):
+            assert time.monotonic() < deadline and killed.poll() is None, _sweep_output(killed)[-5000:]
+            time.sleep(0.2)
+        while not any(e["event"] == "epoch" for e in events.read(found[0])):
+            assert time.monotonic() < deadline and killed.poll() is None, _sweep_output(killed)[-5000:]
+            time.sleep(0.2)
+        killed.kill()
+        _sweep_output(killed)
+        output = _sweep_output(sweep())
+    finally:
+        for pid_file in glob.glob(f"{api}/*/controller.pid"):  # Ours: each Job's controller, and its pods.
+            with open(pid_file) as f:
+                pid = int(f.read())
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    assert re.search(r"trial 0 \{'learning_rate': 0.05\}: its job kubernetes:\S+ followed again", output), (
+        output[-5000:])
+    assert "sweep: 2/2 ended (1 pruned, 0 failed)" in output, output[-5000:]
+    with open(sweep_dir / "results.csv", encoding="utf-8") as f:
+        rows = {float(row["learning_rate"]): row for row in csv.DictReader(f)}
+    assert {k: (r["status"], r["epochs"]) for k, r in rows.items()} == {
+        0.05: ("finished", "2"), 0.0: ("pruned", "1")}, output[-5000:]
+    controllers = {}
+    for log in glob.glob(f"{api}/*/controller.log"):
+        with open(log) as f:
+            controllers[os.path.basename(os.path.dirname(log))] = f.read()
+    assert len(controllers) == 2, controllers  # One Job per trial, each applied once.
+    pruned_dir = rows[0.0]["model_dir"]
+    for task in ("worker_0", "worker_1"):  # Both pods, at one step, with the pruned code, not retried.
+        with open(os.path.join(pruned_dir, f"{task}.log"), encoding="utf-8") as f:
+            text = f.read()
+        assert f"{task.replace('_', ':')} pruned by the sweep after epoch 1: backed up step 16 like every worker" in (
+            text), text[-3000:]
+    with open(os.path.join(pruned_dir, "trial.log"), encoding="utf-8") as f:
+        pods = f.read()  # The pods' output, collected once the Job ended.
+    assert re.search(r"\[pod/\S+-1/task\] \[worker:1\] worker:1 pruned by the sweep", pods), pods[-3000:]
+    outcomes = sorted(text.strip().splitlines()[-1] for text in controllers.values())
+    assert outcomes[0].startswith("Failed: [(") and outcomes[1].startswith("Succeeded: []"), outcomes
+    assert re.fullmatch(r"Failed: \[\(\d, 3, 'fail'\)\]", outcomes[0]), outcomes  # Exit 3: FailJob, once.
+    with open(os.path.join(rows[0.05]["model_dir"], "worker_0.log"), encoding="utf-8") as f:
+        finished = f.read()
+    assert "resumes at step" not in finished, finished[-3000:]  # One Job, once, never restarted.
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--image=i"], "Invalid value for `--engine`. Received: kubernetes, but no kubectl on PATH."),
+    (["--volume_claim=runs"], "Missing `--image` for --engine=kubernetes."),
+    (["--image=i"], "Missing `--volume_claim` for --engine=kubernetes."),
+    (["--image=i", "--volume_claim=runs", "--claim_mount=runs"], "Invalid value for `--claim_mount`. Received: runs."),
+    (["--image=i", "--volume_claim=runs", "--claim_mount={claim}", "--storage=journal:{claim}/study.log"],
+     "Invalid value for `--sweep_dir` with --engine=kubernetes. Received: {sweep}. Expected a path under "
+     "--claim_mount={claim}"),
+    (["--image=i", "--volume_claim=runs", "--claim_mount={claim}", "--sweep_dir={claim}/sweep",
+      "--storage=journal:{sweep}.log"],
+     "Invalid value for `--storage` with --engine=kubernetes. Received: {sweep}.log."),
+    (["--image=i", "--volume_claim=runs", "--claim_mount={claim}", "--sweep_dir={claim}/sweep"],
+     "Invalid value for `--storage`. Received: sqlite:///{claim}/sweep/study.db (the default) with "
+     "--engine=kubernetes."),
+])
+def test_a_kubernetes_sweep_refuses_what_its_pods_could_not_use_in_one_line(tmp_path, flags, message):
+    claim, sweep_dir = tmp_path / "claim", tmp_path / "sweep"
+    claim.mkdir()
+    path = os.path.dirname(sys.executable) if "no kubectl" in message else _kubectl(tmp_path)
+    names = {"claim": claim, "sweep": sweep_dir}
+    result = subprocess.run(
+        [sys.executable, "-m", "distrib_tf.experiments.sweep", "--engine=kubernetes", f"--sweep_dir={sweep_dir}",
+         "--space=units=[4]", *(flag.format(**names) for flag in flags), "--", "python", SWEPT],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT, "PATH": path}, timeout=60)
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and message.format(**names) in result.stderr, result.stderr
+    assert not sweep_dir.exists() and not (claim / "sweep").exists()  # Nothing started.

@@ -118,7 +118,7 @@ def test_kubernetes_manifests_validate_against_the_api_schema(claim):
     assert job["backoffLimit"] == 5 * 3  # 5 restarts of the job: a dead task fails its 2 peers too.
     rules = {rule["action"]: rule for rule in job["podFailurePolicy"]["rules"] if "onExitCodes" in rule}
     assert rules["Ignore"]["onExitCodes"]["values"] == [exit_codes.PREEMPTED]
-    assert rules["FailJob"]["onExitCodes"]["values"] == [exit_codes.USAGE, exit_codes.NONFINITE]
+    assert rules["FailJob"]["onExitCodes"]["values"] == [exit_codes.USAGE, exit_codes.PRUNED, exit_codes.NONFINITE]
     volumes = {v["name"]: v for v in job["template"]["spec"]["volumes"]}
     if claim:
         assert volumes["runs"]["persistentVolumeClaim"]["claimName"] == claim
@@ -222,6 +222,7 @@ def _jobset_action(jobset_spec, reason, message):
     ({"exit_code": 1}, "RestartJobSet"),  # A crash, or a survivor of a dead peer: restart all, counted.
     ({"exit_code": 137}, "RestartJobSet"),  # SIGKILL (OOM): the same.
     ({"exit_code": exit_codes.USAGE}, "FailJobSet"),  # Bad input: a retry fails again.
+    ({"exit_code": exit_codes.PRUNED}, "FailJobSet"),  # Pruned by a sweep: not to be retried.
     ({"exit_code": exit_codes.NONFINITE}, "FailJobSet"),  # NaN stop: it would resume into it again.
     ({"exit_code": exit_codes.PREEMPTED}, "RestartJobSetAndIgnoreMaxRestarts"),  # State saved.
     ({"exit_code": 143, "condition": "DisruptionTarget"}, "RestartJobSetAndIgnoreMaxRestarts"),  # Evicted.

@@ -232,21 +232,21 @@ def test_successive_halving_promotes_a_paused_trial_from_its_backup_exactly(tmp_
 
 def test_the_ladder_pauses_below_the_top_share_and_promotes_the_highest_rung_first():
     ladder = sweep_promotion.Ladder("min", eta=2)
-    first = sweep_promotion.Values({"units": 4}, 0, 0, {1: 0.2}, None, True)
-    assert ladder.word([first], first, 1, last=4) == "prune"  # Alone at a rung: the top half of 1 is none.
-    first.paused, first.running = 1, False
-    second = sweep_promotion.Values({"units": 8}, 0, 1, {1: 0.9}, None, True)
-    assert ladder.word([first, second], second, 1, last=4) == "prune"  # The top half of 2: the first.
-    second.paused, second.running = 1, False
+    first = sweep_promotion.Values({"units": 4}, 0, 0, {1: 0.2}, None)
+    assert ladder.word([first], first, 1) == "prune"  # Alone at a rung: the top half of 1 is none.
+    first.paused = 1
+    second = sweep_promotion.Values({"units": 8}, 0, 1, {1: 0.9}, None)
+    assert ladder.word([first, second], second, 1) == "prune"  # The top half of 2: the first.
+    second.paused = 1
     assert ladder.promotion([first, second]) is first and ladder.promotion([second]) is None
-    third = sweep_promotion.Values({"units": 16}, 0, 2, {1: 0.1, 2: 0.2}, 2, False)
+    third = sweep_promotion.Values({"units": 16}, 0, 2, {1: 0.1, 2: 0.2}, 2)
     assert ladder.promotion([first, second, third]) is None  # Rung 2's top half of one is none; rung 1's is third.
-    fourth = sweep_promotion.Values({"units": 32}, 0, 3, {1: 0.3, 2: 0.1}, None, True)
-    assert ladder.word([first, second, third, fourth], fourth, 2, last=4) == "go"  # Best of 2 at rung 2.
+    fourth = sweep_promotion.Values({"units": 32}, 0, 3, {1: 0.3, 2: 0.1}, None)
+    assert ladder.word([first, second, third, fourth], fourth, 2) == "go"  # Best of 2 at rung 2.
     assert ladder.promotion([first, second, third, fourth]) is first  # Rung 1: third, then first.
     fourth.paused, fourth.curve = 2, {1: 0.3, 2: 0.3}
     assert ladder.promotion([first, second, third, fourth]) is third  # The higher rung before the lower.
-    assert [ladder.word([fourth], fourth, 2, last=last) for last in (2, None)] == ["go", "prune"]  # Its end: none.
+    assert ladder.word([fourth], fourth, 2) == "prune"  # Alone at rung 2: the top half of 1 is none.
     # Every value drawn, none running: the best paused at the highest rung none went past.
     assert ladder.last_promotion([first, second, third, fourth]) is third
     third.paused, third.curve = None, {1: 0.1, 2: 0.2, 3: 0.2}
@@ -255,9 +255,9 @@ def test_the_ladder_pauses_below_the_top_share_and_promotes_the_highest_rung_fir
     assert ladder.word([fourth], fourth, 2) == "go"
     hyperband = sweep_promotion.Ladder("max", eta=3, hyperband=True)
     assert hyperband.brackets(9) == 3 and hyperband.brackets(None) == 1
-    drawn = [sweep_promotion.Values({"units": n}, None, n, {}, None, True) for n in range(4)]
+    drawn = [sweep_promotion.Values({"units": n}, None, n, {}, None) for n in range(4)]
     assert [hyperband.bracket_of(drawn, v, 9) for v in drawn] == [0, 1, 2, 0]  # In turn, in the order drawn.
-    assert [[s for s in range(1, 30) if hyperband.is_rung(s, b, last=27)] for b in range(3)] == [
+    assert [[s for s in range(1, 27) if hyperband.is_rung(s, b)] for b in range(3)] == [
         [1, 3, 9], [3, 9], [9]]
 
 

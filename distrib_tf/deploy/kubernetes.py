@@ -6,8 +6,8 @@ the launcher gives it the `TF_CONFIG` of the spec's i-th task, with each task's 
 replaced by its pod's stable DNS name (`NAME-i.NAME:PORT`). Failed pods are retried
 (`backoffLimit` = `--max_restarts` times the tasks: a dead task fails its peers too, so one
 restart of the job costs a pod per task); a pod that exits 75 (preempted, its state saved) is
-recreated without counting against that limit, and one that exits 2 (bad input) or 65
-(a NaN or Inf loss) fails the Job at once (`podFailurePolicy`). `/runs` in every pod is the volume claim
+recreated without counting against that limit, and one that exits 2 (bad input), 3 (pruned by a
+sweep) or 65 (a NaN or Inf loss) fails the Job at once (`podFailurePolicy`). `/runs` in every pod is the volume claim
 `--volume_claim` (put `--model_dir` under it: backups must outlive the pod), else an
 `emptyDir` that dies with the pod, with a warning.
 
@@ -15,8 +15,8 @@ recreated without counting against that limit, and one that exits 2 (bad input) 
 `jobset.x-k8s.io/v1alpha2`, checked against the 0.12.0 CRD): one Indexed Job of N pods
 with `backoffLimit: 0`, so that any failed pod fails the Job and JobSet's failure policy
 recreates every pod at once (a multi-worker TensorFlow job cannot continue without one of
-them). Its rules, first match wins: exit 2 or 65 fail the JobSet (a retry would fail
-again); exit 75 and a disruption (eviction, preemption) restart it without counting
+them). Its rules, first match wins: exit 2, 3 or 65 fail the JobSet (a retry would fail
+again, or was not asked for); exit 75 and a disruption (eviction, preemption) restart it without counting
 against `maxRestarts`; anything else (a crash, a dead peer) restarts it and counts.
 Pods find each other at JobSet's DNS names, `NAME-task-0-i.NAME`. Storage is one
 ReadWriteMany `--volume_claim` with a sub-path per task (`task-$(JOB_COMPLETION_INDEX)`):
@@ -37,6 +37,8 @@ from distrib_tf.cluster import ClusterSpec
 from distrib_tf.deploy import launcher_grace
 
 RUNS = "/runs"
+# Exit codes a retry cannot cure (bad input; a NaN stop) or that a sweep did not ask to retry (pruned).
+NOT_RETRIED = (exit_codes.USAGE, exit_codes.PRUNED, exit_codes.NONFINITE)
 
 
 def _addressed(spec: ClusterSpec, address, source: str) -> ClusterSpec:
@@ -54,9 +56,10 @@ def kubernetes_spec(spec: ClusterSpec, *, name: str, port: int) -> ClusterSpec:
 
 
 def _container(*, image: str, command: list[str], port: int, gpus_per_task: int,
-               grace_seconds: int, name: str = "task", per_task_volume: bool = False) -> dict:
+               grace_seconds: int, name: str = "task", per_task_volume: bool = False,
+               mount_path: str = RUNS, env: dict | None = None, launcher_options: tuple = ()) -> dict:
     """The task's container: the launcher, given its task by the Job's completion index."""
-    runs = {"name": "runs", "mountPath": RUNS}
+    runs = {"name": "runs", "mountPath": mount_path}
     if per_task_volume:  # One claim for all: each task in its own directory, as on its own disk.
         runs["subPathExpr"] = "task-$(JOB_COMPLETION_INDEX)"
     container = {
@@ -64,10 +67,12 @@ def _container(*, image: str, command: list[str], port: int, gpus_per_task: int,
         "image": image,
         "command": ["distrib-tf-launch", "--cluster_spec=/etc/distrib_tf/spec.json",
                     "--task_ordinal=$(JOB_COMPLETION_INDEX)",
-                    f"--grace_period={launcher_grace(grace_seconds)}", "--", *command],
+                    f"--grace_period={launcher_grace(grace_seconds)}", *launcher_options, "--", *command],
         "ports": [{"containerPort": port, "name": "grpc"}],
         "volumeMounts": [{"name": "spec", "mountPath": "/etc/distrib_tf"}, runs],
     }
+    if env:
+        container["env"] = [{"name": key, "value": value} for key, value in env.items()]
     if gpus_per_task:
         container["resources"] = {"limits": {"nvidia.com/gpu": gpus_per_task}}
     return container
@@ -97,12 +102,19 @@ def _config_map(spec: ClusterSpec, name: str, labels: dict) -> dict:
 
 def kubernetes_manifests(spec: ClusterSpec, *, name: str, image: str, command: list[str],
                          port: int = 2222, gpus_per_task: int = 0, max_restarts: int = 3,
-                         volume_claim: str | None = None, grace_seconds: int = 120) -> list[dict]:
-    """ConfigMap, headless Service and Indexed Job for `spec`. Pure."""
+                         volume_claim: str | None = None, grace_seconds: int = 120, mount_path: str = RUNS,
+                         env: dict | None = None, launcher_options: tuple = (),
+                         labels: dict | None = None) -> list[dict]:
+    """ConfigMap, headless Service and Indexed Job for `spec`. Pure.
+
+    A sweep's trial (`distrib_tf.experiments.sweep_kubernetes.KubernetesEngine`) adds the claim's
+    `mount_path` (as in the sweep's own pod), the container's `env`, the launcher's
+    `launcher_options` and `labels` of its own."""
     pod_spec = kubernetes_spec(spec, name=name, port=port)
-    labels = {"app.kubernetes.io/name": name}
+    labels = {"app.kubernetes.io/name": name, **(labels or {})}
     container = _container(image=image, command=command, port=port, gpus_per_task=gpus_per_task,
-                           grace_seconds=grace_seconds)
+                           grace_seconds=grace_seconds, mount_path=mount_path, env=env,
+                           launcher_options=launcher_options)
     tasks = len(spec.tasks)
     return [
         _config_map(pod_spec, name, labels),
@@ -117,7 +129,7 @@ def kubernetes_manifests(spec: ClusterSpec, *, name: str, image: str, command: l
                  {"action": "Ignore", "onExitCodes": {"containerName": "task", "operator": "In",
                                                       "values": [exit_codes.PREEMPTED]}},
                  {"action": "FailJob", "onExitCodes": {"containerName": "task", "operator": "In",
-                                                       "values": [exit_codes.USAGE, exit_codes.NONFINITE]}},
+                                                       "values": list(NOT_RETRIED)}},
                  {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
              ]},
              "template": {
@@ -170,7 +182,7 @@ def _jobset_body(spec: ClusterSpec, *, name: str, job_name: str, container: dict
         "completionMode": "Indexed", "completions": tasks, "parallelism": tasks,
         "backoffLimit": 0,  # One failed pod fails the Job: the JobSet then acts on all.
         "podFailurePolicy": {"rules": [
-            {"action": "FailJob", "onExitCodes": on_exit([exit_codes.USAGE, exit_codes.NONFINITE])},
+            {"action": "FailJob", "onExitCodes": on_exit(list(NOT_RETRIED))},
             {"action": "FailJob", "onExitCodes": on_exit([exit_codes.PREEMPTED])},
             {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
         ]},
@@ -189,10 +201,10 @@ def _jobset_body(spec: ClusterSpec, *, name: str, job_name: str, container: dict
             # Kubernetes's message for a FailJob rule: "Container task for pod NS/POD failed
             # with exit code N matching FailJob rule at index I"; for a pod condition:
             # "Pod NS/POD has condition DisruptionTarget matching FailJob rule at index I".
-            {"name": "BadInputOrNonFinite", "action": "FailJobSet",
+            {"name": "NotRetried", "action": "FailJobSet",
              "onJobFailureReasons": ["PodFailurePolicy"],
              "onJobFailureMessagePatterns": [
-                 f"failed with exit code ({exit_codes.USAGE}|{exit_codes.NONFINITE}) matching"]},
+                 f"failed with exit code ({'|'.join(map(str, NOT_RETRIED))}) matching"]},
             {"name": "PreemptedOrDisrupted", "action": "RestartJobSetAndIgnoreMaxRestarts",
              "onJobFailureReasons": ["PodFailurePolicy"],
              "onJobFailureMessagePatterns": [f"failed with exit code {exit_codes.PREEMPTED} matching",

@@ -40,12 +40,15 @@ runs in the order written. Trials side by side take disjoint local ranks of the 
 GPUs and CPUs); values drawn again while their trial runs wait for its result.
 With `--engine=slurm` each trial is instead a Slurm batch job, the one
 `distrib-tf-export slurm` writes (`--workers_per_trial` tasks, over `--nodes_per_trial`
-nodes), submitted, followed and cancelled through Slurm's commands; with `--engine=ray`, a
-`distrib-tf-ray` run submitted through Ray's job API at `--ray_address`
-(`distrib_tf.experiments.sweep_engines`). The study must then be one every node reaches
-(PostgreSQL, or a journal file on a shared disk: SQLite is refused), and so must
-`--sweep_dir`. Killed, such a sweep leaves its jobs running (they are the engine's): the
-same command follows them again; Ctrl-C or SIGTERM cancels them.
+nodes), submitted, followed and cancelled through Slurm's commands; with
+`--engine=kubernetes`, the Indexed Job `distrib-tf-export kubernetes` writes, through
+`kubectl` (`--image`; the claim `--volume_claim` at `--claim_mount` in every pod as here:
+`distrib_tf.experiments.sweep_kubernetes`); with `--engine=ray`, a `distrib-tf-ray` run
+submitted through Ray's job API at `--ray_address` (`distrib_tf.experiments.sweep_engines`).
+The study must then be one every node reaches (PostgreSQL, or a journal file on a shared
+disk: SQLite is refused), and so must `--sweep_dir`. Killed, such a sweep leaves its jobs
+running (they are the engine's): the same command follows them again; Ctrl-C or SIGTERM
+cancels them.
 A trial that fails for its own reason (a NaN, a bad value) is recorded with its cause and
 the sweep goes on. Results (`distrib_tf.experiments.sweep_results`): `results.csv`, a live
 line, and `sweep.png`. Bad input (a bad `--storage`, a database that does not answer in
@@ -56,7 +59,6 @@ running trial backed up (start it again); 130 interrupted.
 This module imports no TensorFlow.
 """
 
-import math
 import os
 import shlex
 import signal
@@ -68,18 +70,12 @@ from distrib_tf import argparsing
 from distrib_tf import events
 from distrib_tf import exit_codes
 from distrib_tf import study as study_lib
-from distrib_tf.cluster import ClusterSpec
 from distrib_tf.experiments import sweep_engines
 from distrib_tf.experiments import sweep_promotion
 from distrib_tf.experiments import sweep_results
-from distrib_tf.experiments.sweep_args import check_positive
-from distrib_tf.experiments.sweep_args import command_of
+from distrib_tf.experiments.sweep_args import check
 from distrib_tf.experiments.sweep_args import parse_args
 from distrib_tf.experiments.sweep_args import program_of
-from distrib_tf.experiments.sweep_args import read_space_file
-from distrib_tf.experiments.sweep_space import SWEEPABLE
-from distrib_tf.experiments.sweep_space import grid_size
-from distrib_tf.experiments.sweep_space import parse_space
 from distrib_tf.experiments.sweep_space import suggest
 from distrib_tf.experiments.sweep_study import PRUNERS  # noqa: F401  (re-exported)
 from distrib_tf.experiments.sweep_study import ask
@@ -343,50 +339,11 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    command, main_job = command_of(argparsing.command_after(args.command))
     try:
-        space = parse_space(args.space, read_space_file(args.space_file), SWEEPABLE if main_job else None)
-        for value, flag in ((args.trials, "--trials"), (args.workers_per_trial, "--workers_per_trial"),
-                            (args.parallel, "--parallel")):
-            check_positive(value, flag)
-        if args.sampler != "grid" and args.trials is None:
-            raise ValueError(f"Missing `--trials` for --sampler={args.sampler}. Expected a budget >= 1.")
-        total = min(grid_size(space), args.trials or math.inf) if args.sampler == "grid" else args.trials
-        check_positive(args.nodes_per_trial, "--nodes_per_trial")
-        if args.promote and args.pruner not in ("halving", "hyperband"):
-            raise ValueError(f"Invalid value for `--pruner` with --promote. Received: {args.pruner}. Expected "
-                             "halving or hyperband, whose rungs pause and promote a trial.")
-        if args.reduction_factor is not None and args.reduction_factor < 2:
-            raise ValueError(f"Invalid value for `--reduction_factor`. Received: {args.reduction_factor}. "
-                             "Expected an integer >= 2.")
-        off_host = args.engine != "local"
-        spec = ClusterSpec.load(args.cluster_spec)
-        slots = spec.num_workers if off_host else len(spec.local_tasks())
-        if not slots:
-            raise ValueError(f"No task of {args.cluster_spec} lives on this host. Expected a local spec "
-                             "for sweep trials, such as local_2workers.")
-        per_trial = args.workers_per_trial or slots
-        if per_trial > slots and not off_host:
-            raise ValueError(f"Invalid value for `--workers_per_trial`. Received: {per_trial}. Expected at most "
-                             f"the {slots} local tasks of {args.cluster_spec}.")
-        engine = sweep_engines.make_engine(args.engine, workers=per_trial, nodes=args.nodes_per_trial or 0,
-                                           ray_address=args.ray_address)
-        script = command[1] if not main_job and command[0] == sys.executable and len(command) > 1 else ""
-        if script.endswith(".py") and not os.path.exists(script):
-            raise ValueError(f"Cannot find the script {script}. Expected -- python PATH/TO/SCRIPT.py.")
-        if args.engine == "ray" and not main_job and not script.endswith(".py"):
-            raise ValueError(f"Invalid value for `COMMAND` with --engine=ray. Received: {shlex.join(command)}. "
-                             "Expected -- python PATH/TO/SCRIPT.py (distrib-tf-ray runs a Python script or the "
-                             "main job).")
-        if script.endswith(".py") and off_host:  # The engine's tasks start elsewhere.
-            command[1] = os.path.abspath(script)
-        optuna_module()
-        url = study_lib.parse_url(args.storage) if args.storage else study_lib.default_url(args.sweep_dir)
-        if off_host and url.startswith("sqlite:"):
-            raise ValueError(f"Invalid value for `--storage`. Received: {study_lib.hide_password(url)}"
-                             f"{'' if args.storage else ' (the default)'} with --engine={args.engine}. Expected "
-                             "a study every node reaches: postgresql+psycopg://USER@HOST:PORT/DATABASE, or "
-                             "journal:PATH on a disk every node shares.")
+        plan = check(args)
+        space, total, command, main_job = plan.space, plan.total, plan.command, plan.main_job
+        slots, per_trial, engine, url = plan.slots, plan.per_trial, plan.engine, plan.url
+        off_host = engine is not None
         if not args.storage:
             os.makedirs(args.sweep_dir, exist_ok=True)
         study = open_study(args.sweep_dir, space, sampler=args.sampler, seed=args.seed, mode=args.mode,

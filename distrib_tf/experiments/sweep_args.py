@@ -1,16 +1,25 @@
 """The flags of `distrib-tf-sweep` (`distrib_tf.experiments.sweep` reads them): what a sweep
-runs and where. This module imports no TensorFlow.
+runs and where, each checked against the others (`check`) before anything starts. This
+module imports no TensorFlow.
 """
 
+import dataclasses
 import json
+import math
 import os
 import shlex
 import sys
 
 from distrib_tf import argparsing
+from distrib_tf import study as study_lib
+from distrib_tf.cluster import ClusterSpec
 from distrib_tf.experiments import sweep_engines
+from distrib_tf.experiments import sweep_kubernetes
 from distrib_tf.experiments.sweep_space import SWEEPABLE
+from distrib_tf.experiments.sweep_space import grid_size
+from distrib_tf.experiments.sweep_space import parse_space
 from distrib_tf.experiments.sweep_study import PRUNERS
+from distrib_tf.experiments.sweep_study import optuna_module
 
 
 def command_of(after: list[str]) -> tuple[list[str], bool]:
@@ -62,9 +71,16 @@ def parse_args(argv: list[str]):
                              "Optuna's, 4 for halving and 3 for hyperband; with --promote, 3)")
     parser.add_argument("--engine", default="local", choices=sweep_engines.ENGINES,
                         help="where trials run: local (this host's slots), slurm (each trial a batch job "
-                             "of `distrib-tf-export slurm`, through sbatch, squeue, scontrol and scancel) or ray "
-                             "(each a Ray Train run of distrib-tf-ray, through Ray's job API); off the host, the "
-                             "study in PostgreSQL or a shared journal file")
+                             "of `distrib-tf-export slurm`, through sbatch, squeue, scontrol and scancel), "
+                             "kubernetes (each an Indexed Job of `distrib-tf-export kubernetes`, through kubectl) "
+                             "or ray (each a Ray Train run of distrib-tf-ray, through Ray's job API); off the "
+                             "host, the study in PostgreSQL or a shared journal file")
+    parser.add_argument("--image", help="--engine=kubernetes: the trials' container image (distrib_tf and the "
+                        "script in it, or the script on the claim)")
+    parser.add_argument("--volume_claim", help="--engine=kubernetes: a ReadWriteMany PersistentVolumeClaim that "
+                        "every trial's pods mount at --claim_mount; --sweep_dir must be on it")
+    parser.add_argument("--claim_mount", default="/runs", help="--engine=kubernetes: where --volume_claim is "
+                        "mounted, in the trials' pods as here (default: /runs)")
     parser.add_argument("--ray_address", help="--engine=ray: the Ray cluster's dashboard, whose job API takes "
                         "the trials (default: RAY_ADDRESS, else a cluster on this host)")
     parser.add_argument("--nodes_per_trial", type=int, help="--engine=slurm: spread each trial's workers over "
@@ -110,3 +126,98 @@ def read_space_file(path: str | None) -> dict | None:
 def check_positive(value: int | None, flag: str) -> None:
     if value is not None and value < 1:
         raise ValueError(f"Invalid value for `{flag}`. Received: {value}. Expected an integer >= 1.")
+
+
+def make_engine(name: str, *, workers: int, nodes: int = 0, ray_address: str | None = None,
+                image: str | None = None, volume_claim: str | None = None, claim_mount: str = "/runs"):
+    """The engine called `name`, checked: `None` for the host's own slots (`local`).
+
+    Raises:
+        ValueError: its commands are missing, or a flag it cannot take (one line).
+    """
+    if name == "local":
+        if nodes:
+            raise ValueError(f"Invalid value for `--nodes_per_trial`. Received: {nodes}. Expected it only with "
+                             "an engine that spreads a trial over nodes (--engine=slurm).")
+        return None
+    if nodes and name != "slurm":
+        raise ValueError(f"Invalid value for `--nodes_per_trial`. Received: {nodes}. Expected it only with "
+                         "--engine=slurm (Kubernetes and Ray place a trial's tasks themselves).")
+    if name == "slurm":
+        engine = sweep_engines.SlurmEngine(workers=workers, nodes=nodes)
+    elif name == "ray":
+        engine = sweep_engines.RayEngine(workers=workers, address=ray_address)
+    else:
+        engine = sweep_kubernetes.KubernetesEngine(workers=workers, image=image or "", volume_claim=volume_claim or "",
+                                                   mount=claim_mount)
+    engine.check()
+    return engine
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a sweep's flags make, checked (`check`)."""
+
+    space: list  # The search space's dimensions (`sweep_space`).
+    total: int | float  # Trials to run (a grid: its size at most).
+    command: list[str]  # Each trial's program.
+    main_job: bool  # Whether that is the main job.
+    slots: int  # The spec's local tasks, or its task count on an engine.
+    per_trial: int  # Workers of each trial.
+    engine: object  # `make_engine`'s: None for the host's own slots.
+    url: str  # The study's storage.
+
+
+def check(args) -> Plan:
+    """Every flag checked against the others, before anything starts.
+
+    Raises:
+        ValueError: one line naming the flag, what it received and what it expects.
+    """
+    command, main_job = command_of(argparsing.command_after(args.command))
+    space = parse_space(args.space, read_space_file(args.space_file), SWEEPABLE if main_job else None)
+    for value, flag in ((args.trials, "--trials"), (args.workers_per_trial, "--workers_per_trial"),
+                        (args.parallel, "--parallel")):
+        check_positive(value, flag)
+    if args.sampler != "grid" and args.trials is None:
+        raise ValueError(f"Missing `--trials` for --sampler={args.sampler}. Expected a budget >= 1.")
+    total = min(grid_size(space), args.trials or math.inf) if args.sampler == "grid" else args.trials
+    check_positive(args.nodes_per_trial, "--nodes_per_trial")
+    if args.promote and args.pruner not in ("halving", "hyperband"):
+        raise ValueError(f"Invalid value for `--pruner` with --promote. Received: {args.pruner}. Expected "
+                         "halving or hyperband, whose rungs pause and promote a trial.")
+    if args.reduction_factor is not None and args.reduction_factor < 2:
+        raise ValueError(f"Invalid value for `--reduction_factor`. Received: {args.reduction_factor}. "
+                         "Expected an integer >= 2.")
+    off_host = args.engine != "local"
+    spec = ClusterSpec.load(args.cluster_spec)
+    slots = spec.num_workers if off_host else len(spec.local_tasks())
+    if not slots:
+        raise ValueError(f"No task of {args.cluster_spec} lives on this host. Expected a local spec "
+                         "for sweep trials, such as local_2workers.")
+    per_trial = args.workers_per_trial or slots
+    if per_trial > slots and not off_host:
+        raise ValueError(f"Invalid value for `--workers_per_trial`. Received: {per_trial}. Expected at most "
+                         f"the {slots} local tasks of {args.cluster_spec}.")
+    engine = make_engine(args.engine, workers=per_trial, nodes=args.nodes_per_trial or 0,
+                         ray_address=args.ray_address, image=args.image, volume_claim=args.volume_claim,
+                         claim_mount=args.claim_mount)
+    script = command[1] if not main_job and command[0] == sys.executable and len(command) > 1 else ""
+    if script.endswith(".py") and not os.path.exists(script):
+        raise ValueError(f"Cannot find the script {script}. Expected -- python PATH/TO/SCRIPT.py.")
+    if args.engine == "ray" and not main_job and not script.endswith(".py"):
+        raise ValueError(f"Invalid value for `COMMAND` with --engine=ray. Received: {shlex.join(command)}. "
+                         "Expected -- python PATH/TO/SCRIPT.py (distrib-tf-ray runs a Python script or the "
+                         "main job).")
+    if script.endswith(".py") and off_host:  # The engine's tasks start elsewhere.
+        command[1] = os.path.abspath(script)
+    optuna_module()
+    url = study_lib.parse_url(args.storage) if args.storage else study_lib.default_url(args.sweep_dir)
+    if off_host and url.startswith("sqlite:"):
+        raise ValueError(f"Invalid value for `--storage`. Received: {study_lib.hide_password(url)}"
+                         f"{'' if args.storage else ' (the default)'} with --engine={args.engine}. Expected "
+                         "a study every node reaches: postgresql+psycopg://USER@HOST:PORT/DATABASE, or "
+                         "journal:PATH on a disk every node shares.")
+    if args.engine == "kubernetes":
+        engine.check_paths(sweep_dir=args.sweep_dir, storage=url)
+    return Plan(space, total, command, main_job, slots, per_trial, engine, url)

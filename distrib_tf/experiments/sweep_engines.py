@@ -4,6 +4,8 @@
   (`distrib_tf.deploy.slurm.batch_script`) with the trial's values and directory, submitted,
   followed, cancelled and collected through Slurm's own commands: `sbatch`, `squeue`,
   `scontrol show job` (its exit code), `scancel`.
+- `--engine=kubernetes` (`distrib_tf.experiments.sweep_kubernetes.KubernetesEngine`): each
+  trial the Indexed Job `distrib-tf-export kubernetes` writes, through `kubectl`.
 - `--engine=ray` (`RayEngine`): each trial is the Ray Train run `distrib-tf-ray` starts
   (`distrib_tf.deploy.ray_train`), submitted, followed, stopped and collected (its driver's
   exit code and logs) through Ray's job API.
@@ -41,7 +43,7 @@ from distrib_tf import trial as trial_lib
 from distrib_tf.cluster import ClusterSpec
 from distrib_tf.deploy import slurm
 
-ENGINES = ("local", "slurm", "ray")
+ENGINES = ("local", "slurm", "kubernetes", "ray")
 POLL_SECONDS = 2.0  # Between two questions to the engine about one job.
 COMMAND_SECONDS = 60  # The longest one of the engine's commands is waited for.
 JOB_FILE = "job.json"  # In a trial's directory: the engine's job that runs it.
@@ -51,14 +53,14 @@ class EngineError(RuntimeError):
     """An engine's command failed (one line: the command and what it said)."""
 
 
-def _run(command: list[str], *, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_command(command: list[str], *, env: dict | None = None) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(command, capture_output=True, text=True, env=env, timeout=COMMAND_SECONDS)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise EngineError(f"`{command[0]}` did not answer: {e}") from e
 
 
-def _said(result: subprocess.CompletedProcess) -> str:
+def said(result: subprocess.CompletedProcess) -> str:
     lines = (result.stderr.strip() or result.stdout.strip() or f"exit code {result.returncode}").splitlines()
     return lines[-1][:300]
 
@@ -121,11 +123,11 @@ class SlurmEngine:
                 f.write(self.script(trial, sweep))
         except OSError as e:
             raise EngineError(f"cannot write {path}: {e.strerror}") from e
-        result = _run(["sbatch", "--parsable", f"--output={os.path.join(trial.model_dir, 'trial.log')}",
+        result = run_command(["sbatch", "--parsable", f"--output={os.path.join(trial.model_dir, 'trial.log')}",
                        "--open-mode=append", path], env=trial_environment(trial, sweep))
         found = result.stdout.strip().split(";")[0]
         if result.returncode != 0 or not found.isdigit():
-            raise EngineError(f"sbatch refused trial {trial.number}: {_said(result)}")
+            raise EngineError(f"sbatch refused trial {trial.number}: {said(result)}")
         return f"slurm:{found}"
 
     def poll(self, job: str, model_dir: str) -> int | None:  # pylint: disable=unused-argument
@@ -133,13 +135,13 @@ class SlurmEngine:
         as 128 + its number). A job Slurm has forgotten (`MinJobAge` after its end) gives the
         largest exit code its tasks' launchers wrote into the trial's events, if any."""
         number = job.removeprefix("slurm:")
-        result = _run(["squeue", "-h", "-j", number, "-t", "all", "-o", "%T"])
+        result = run_command(["squeue", "-h", "-j", number, "-t", "all", "-o", "%T"])
         state = result.stdout.strip()
         if result.returncode == 0 and state and state not in ENDED:
             return None
         if result.returncode != 0 and "Invalid job id" not in result.stderr:
             return None  # The controller busy or restarting: ask again.
-        shown = _run(["scontrol", "show", "job", "-o", number])
+        shown = run_command(["scontrol", "show", "job", "-o", number])
         found = re.search(r"\bExitCode=(\d+):(\d+)", shown.stdout)
         if shown.returncode == 0 and found:
             code, signal_number = int(found.group(1)), int(found.group(2))
@@ -148,9 +150,9 @@ class SlurmEngine:
 
     def cancel(self, job: str) -> None:
         """`scancel`: every task gets SIGTERM, backs up one step and stops (within Slurm's `KillWait`)."""
-        result = _run(["scancel", job.removeprefix("slurm:")])
+        result = run_command(["scancel", job.removeprefix("slurm:")])
         if result.returncode != 0:
-            raise EngineError(f"scancel {job}: {_said(result)}")
+            raise EngineError(f"scancel {job}: {said(result)}")
 
 
 class RayEngine:
@@ -284,23 +286,3 @@ def exit_code_from_events(model_dir: str, since: float = 0.0) -> int:
 def record_job(model_dir: str, job: str) -> None:
     with open(os.path.join(model_dir, JOB_FILE), "w", encoding="utf-8") as f:
         json.dump({"job": job}, f)
-
-
-def make_engine(name: str, *, workers: int, nodes: int = 0, ray_address: str | None = None):
-    """The engine called `name`, checked: `None` for the host's own slots (`local`).
-
-    Raises:
-        ValueError: its commands are missing, or a flag it cannot take (one line).
-    """
-    if name == "local":
-        if nodes:
-            raise ValueError(f"Invalid value for `--nodes_per_trial`. Received: {nodes}. Expected it only with "
-                             "an engine that spreads a trial over nodes (--engine=slurm).")
-        return None
-    if nodes and name != "slurm":
-        raise ValueError(f"Invalid value for `--nodes_per_trial`. Received: {nodes}. Expected it only with "
-                         "--engine=slurm (Ray places a trial's ranks itself).")
-    engine = SlurmEngine(workers=workers, nodes=nodes) if name == "slurm" else RayEngine(workers=workers,
-                                                                                          address=ray_address)
-    engine.check()
-    return engine

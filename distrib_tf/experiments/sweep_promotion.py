@@ -49,7 +49,6 @@ class Values:
     first: int  # Its first attempt's number.
     curve: dict  # Step -> the metric, over every attempt.
     paused: int | None  # The rung it waits at, if its last attempt was paused and not promoted.
-    running: bool
     to_end: bool = False  # Promoted to train to its end (`Ladder.last_promotion`).
 
 
@@ -67,12 +66,12 @@ class Ladder:
             return 1
         return 1 + max(0, math.floor(math.log(epochs / self.min_epochs, self.eta) + 1e-9))
 
-    def is_rung(self, step: int, bracket: int, last: int | None = None) -> bool:
-        """Whether `step` is a rung of `bracket` (a trial's `last` step, if known, is none)."""
+    def is_rung(self, step: int, bracket: int) -> bool:
+        """Whether `step` is a rung of `bracket` (a fit's last epoch is none: `Sweep._word`)."""
         first = self.min_epochs * self.eta ** bracket
         while first < step:
             first *= self.eta
-        return first == step and (last is None or step < last)
+        return first == step
 
     def _top(self, values: list[tuple[float, int]]) -> list[int]:
         """The numbers in the top `n // eta` of (value, number) pairs (ties: the earlier first)."""
@@ -86,9 +85,9 @@ class Ladder:
             return me.bracket
         return sorted(v.first for v in everyone).index(me.first) % self.brackets(epochs)
 
-    def word(self, everyone: list[Values], me: Values, step: int, last: int | None = None) -> str:
+    def word(self, everyone: list[Values], me: Values, step: int) -> str:
         """`prune` (pause) if `step` is a rung of `me`'s bracket where it does not rank, else `go`."""
-        if me.to_end or not self.is_rung(step, me.bracket, last) or step not in me.curve:
+        if me.to_end or not self.is_rung(step, me.bracket) or step not in me.curve:
             return "go"
         there = [(v.curve[step], v.first) for v in everyone if v.bracket == me.bracket and step in v.curve]
         return "go" if me.first in self._top(there) else "prune"
@@ -141,7 +140,7 @@ def values_of(study) -> list[Values]:
             "cause" not in last.user_attrs else None
         bracket = next((int(a.user_attrs[BRACKET]) for a in attempts if BRACKET in a.user_attrs), None)
         found.append(Values(attempts[0].params, bracket, attempts[0].number, curve, paused,
-                            last.state == states.RUNNING, bool(last.user_attrs.get(TO_END))))
+                            bool(last.user_attrs.get(TO_END))))
     return found
 
 

@@ -204,6 +204,9 @@ def root_cause(model_dir: str) -> str:
     ends = [e for e in events.read(os.path.join(model_dir, "events.jsonl")) if e["event"] == "job_end"]
     if ends and ends[-1].get("root_cause"):
         return ends[-1]["root_cause"][:300]
-    with open(os.path.join(model_dir, "trial.log"), encoding="utf-8", errors="replace") as f:
-        lines = [line for line in f.read().splitlines() if line.strip()]
+    try:
+        with open(os.path.join(model_dir, "trial.log"), encoding="utf-8", errors="replace") as f:
+            lines = [line for line in f.read().splitlines() if line.strip()]
+    except FileNotFoundError:  # A job the engine deleted before its output was collected.
+        lines = []
     return lines[-1][:300] if lines else "no output"  # Bad input: the launcher's one line.
