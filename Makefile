@@ -70,7 +70,8 @@ test-ray: $(STAMP_RAY)
 	DISTRIB_TF_REQUIRE_RAY=1 $(VENV_RAY)/bin/python -m pytest -q --durations=5 tests/test_ray.py
 
 # As root: the Kubernetes exports' pods as local processes, each engine's restart rules
-# played on them (tests/test_engines.py): a killed pod, a preemption, a bad flag; on a two-node
+# played on them (tests/test_engines.py): a killed pod, a preemption, a bad flag, a sweep whose
+# trials are Jobs applied through a `kubectl` that plays the API (tests/kubectl.py); on a two-node
 # Slurm, a resize and a sweep whose trials are batch jobs, the study in PostgreSQL (tests/test_slurm.py).
 test-engines: $(STAMP)
 	$(PY) -m pytest -q --durations=5 -m engines tests/test_engines.py tests/test_slurm.py
