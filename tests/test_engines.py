@@ -316,3 +316,61 @@ def test_a_kubernetes_sweep_refuses_what_its_pods_could_not_use_in_one_line(tmp_
     assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
     assert result.stderr.count("\n") == 1 and message.format(**names) in result.stderr, result.stderr
     assert not sweep_dir.exists() and not (claim / "sweep").exists()  # Nothing started.
+
+
+def test_a_sigterm_to_a_kubernetes_sweep_deletes_its_job_and_the_same_command_resumes_the_trial(hosts, tmp_path):
+    """Ctrl-C or SIGTERM to the sweep: `kubectl delete --cascade=foreground` of the running
+    trial's Job, each pod SIGTERMed, every worker backs up one agreed step and exits 75, and
+    the sweep, once the Job is gone, exits 75 itself; the same command applies the trial anew
+    and both pods resume at that step."""
+    claim = tmp_path / "claim"
+    claim.mkdir()
+    api = tmp_path / "api"
+    api.mkdir()
+    env = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT, "DISTRIB_TF_KUBE_API": str(api),
+           "DISTRIB_TF_KUBE_HOSTS": json.dumps(hosts), "PATH": _kubectl(tmp_path)}
+    sweep_dir = claim / "sweep"
+    args = [sys.executable, "-m", "distrib_tf.experiments.sweep", "--engine=kubernetes",
+            "--image=registry.example/job:1", "--volume_claim=runs", f"--claim_mount={claim}",
+            "--workers_per_trial=2", f"--storage=journal:{claim / 'study.log'}", f"--sweep_dir={sweep_dir}",
+            "--space=learning_rate=[0.05]", "--metric=val_loss", "--mode=min", "--", "python", SWEPT, "--epochs=8"]
+    try:
+        stopped = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 300
+        while not (found := glob.glob(f"{sweep_dir}/trial-*/events.jsonl")):
+            assert time.monotonic() < deadline and stopped.poll() is None, _sweep_output(stopped)[-5000:]
+            time.sleep(0.2)
+        while not any(e["event"] == "epoch" for e in events.read(found[0])):
+            assert time.monotonic() < deadline and stopped.poll() is None, _sweep_output(stopped)[-5000:]
+            time.sleep(0.2)
+        stopped.send_signal(signal.SIGTERM)
+        first = _sweep_output(stopped)
+        assert stopped.returncode == exit_codes.PREEMPTED, first[-5000:]
+        second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        for pid_file in glob.glob(f"{api}/*/controller.pid"):
+            with open(pid_file) as f:
+                pid = int(f.read())
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    assert second.returncode == 0 and "sweep: 1/1 ended (0 pruned, 0 failed)" in second.stdout, (
+        second.stdout[-5000:] + second.stderr[-3000:])
+    trial_dir = os.path.dirname(found[0])
+    steps = set()
+    for task in ("worker_0", "worker_1"):
+        with open(os.path.join(trial_dir, f"{task}.log"), encoding="utf-8") as f:
+            text = f.read()
+        saved = re.findall(rf"{task.replace('_', ':')} preempted: backed up step (\d+) like every worker", text)
+        resumed = re.findall(rf"{task.replace('_', ':')} resumes at step (\d+)", text)
+        assert len(saved) >= 1 and resumed == saved[-1:], text[-3000:]
+        steps.add(int(resumed[0]))
+    assert len(steps) == 1 and 0 < steps.pop() < 8 * 16, first[-3000:]  # One agreed step, inside the run.
+    with open(os.path.join(trial_dir, "summary.json")) as f:
+        assert json.load(f)["epochs"][-1]["epoch"] == 8
+    controllers = []
+    for log in glob.glob(f"{api}/*/controller.log"):
+        with open(log) as f:
+            controllers.append(f.read().strip().splitlines()[-1])
+    controllers.sort()
+    assert len(controllers) == 2 and controllers[0].startswith("Succeeded") and controllers[1].startswith(
+        "deleted"), controllers  # The first Job deleted, the second applied anew.
