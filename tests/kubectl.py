@@ -1,20 +1,25 @@
-"""A `kubectl` for the sweep's Kubernetes engine: the Jobs it applies run as pods here.
+"""A `kubectl` for the sweep's Kubernetes engine: the Jobs it creates run as pods here.
 
-No API server runs here. This answers the four commands the sweep gives
+No API server runs here. This answers the commands the sweep gives
 (`distrib_tf.experiments.sweep_kubernetes`), keeping the API's objects as files under
 `$DISTRIB_TF_KUBE_API` and playing each Job over real pods (`kube_pods.JobEngine` and
 `kube_pods.Cluster`: a network namespace per pod, from `$DISTRIB_TF_KUBE_HOSTS`; the
 Job's `podFailurePolicy` and `backoffLimit` decide each exit):
 
-    kubectl apply -f FILE          the ConfigMap, Service and Job; a controller process
-                                   starts the Job's pods and writes its status
-    kubectl get job NAME -o json   {"metadata": ..., "status": {"conditions": [...]}}, as the
-                                   Job controller writes them; NotFound once deleted
+    kubectl create -f FILE         the ConfigMap, Service and Job (AlreadyExists for a name
+                                   taken); a controller process starts the Job's pods and
+                                   writes its status
+    kubectl get job.batch NAME --ignore-not-found -o json
+                                   {"metadata": ..., "status": {"conditions": [...]}}, as the
+                                   Job controller writes them; nothing once deleted
+    kubectl get persistentvolumeclaim/NAME -o name
+                                   found if NAME is in `$DISTRIB_TF_KUBE_CLAIMS`
     kubectl logs -l batch.kubernetes.io/job-name=NAME --prefix ...
                                    every pod's output, each line prefixed with its pod
-    kubectl delete job/NAME ... [--cascade=foreground] [--wait=false] [--ignore-not-found]
+    kubectl delete job.batch/NAME [--cascade=foreground] [--wait=false] [--ignore-not-found]
                                    every pod SIGTERM, SIGKILL after the grace period; with
                                    `foreground` the Job is found until its pods are gone
+                                   (a Service or ConfigMap named is not kept here: ignored)
 
 Each controller writes `controller.log` beside its Job's file: what the Job did to each pod
 (the test's record).
@@ -37,6 +42,7 @@ from kube_pods import JobEngine  # noqa: E402  pylint: disable=wrong-import-posi
 
 API_ENV = "DISTRIB_TF_KUBE_API"  # A directory: a Job's objects and status in API/NAME/.
 HOSTS_ENV = "DISTRIB_TF_KUBE_HOSTS"  # JSON: [[namespace, address], ...], one per pod.
+CLAIMS_ENV = "DISTRIB_TF_KUBE_CLAIMS"  # The claims that exist, by name, comma-separated.
 
 
 class Deleted(Exception):
@@ -53,13 +59,14 @@ def _write(path: str, value) -> None:
     os.replace(f"{path}.tmp", path)
 
 
-def apply(path: str) -> int:
+def create(path: str) -> int:
     with open(path, encoding="utf-8") as f:
         manifests = {d["kind"]: d for d in yaml.safe_load_all(f)}
     name = manifests["Job"]["metadata"]["name"]
-    if os.path.exists(os.path.join(_dir(name), "job.json")):
-        print(f"job.batch/{name} unchanged")
-        return 0
+    if os.path.exists(_dir(name)):
+        print(f'Error from server (AlreadyExists): error when creating "{path}": jobs.batch "{name}" already exists',
+              file=sys.stderr)
+        return 1
     os.makedirs(_dir(name), exist_ok=True)
     _write(os.path.join(_dir(name), "status.json"), {"active": manifests["Job"]["spec"]["completions"]})
     _write(os.path.join(_dir(name), "job.json"), manifests)
@@ -72,15 +79,23 @@ def apply(path: str) -> int:
     return 0
 
 
+def claim(name: str) -> int:
+    if name not in os.environ.get(CLAIMS_ENV, "").split(","):
+        print(f'Error from server (NotFound): persistentvolumeclaims "{name}" not found', file=sys.stderr)
+        return 1
+    print(f"persistentvolumeclaim/{name}")
+    return 0
+
+
 def get(name: str) -> int:
+    """`--ignore-not-found`: nothing at all once the Job is gone."""
     try:
         with open(os.path.join(_dir(name), "job.json"), encoding="utf-8") as f:
             job = json.load(f)["Job"]
         with open(os.path.join(_dir(name), "status.json"), encoding="utf-8") as f:
             status = json.load(f)
     except FileNotFoundError:
-        print(f'Error from server (NotFound): jobs.batch "{name}" not found', file=sys.stderr)
-        return 1
+        return 0
     metadata = dict(job["metadata"])
     if os.path.exists(os.path.join(_dir(name), "deleting")):
         metadata["deletionTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -93,16 +108,17 @@ def logs(selector: str) -> int:
     """Every pod's output of the Job `batch.kubernetes.io/job-name=NAME`, each line prefixed
     with its pod and container as `--prefix` does."""
     name = selector.removeprefix("batch.kubernetes.io/job-name=")
+    pod_suffix = "x7k2p"  # A pod's name: its Job's, its index, and five random characters.
     for path in sorted(glob.glob(os.path.join(_dir(name), "pod*.log"))):
         index = os.path.basename(path)[len("pod"):-len(".log")]
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
-                sys.stdout.write(f"[pod/{name}-{index}/task] {line}")
+                sys.stdout.write(f"[pod/{name}-{index}-{pod_suffix}/task] {line}")
     return 0
 
 
 def delete(objects: list[str], options: list[str]) -> int:
-    names = {o.split("/", 1)[1] for o in objects if o.startswith("job/")}
+    names = {o.split("/", 1)[1] for o in objects if o.startswith("job.batch/")}
     for name in names:
         if not os.path.exists(os.path.join(_dir(name), "job.json")):
             if "--ignore-not-found" not in options:
@@ -161,16 +177,18 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--control"]:
         control(argv[1])
         return 0
-    if argv[:2] == ["apply", "-f"]:
-        return apply(argv[2])
-    if argv[:2] == ["get", "job"] and argv[3:] == ["-o", "json"]:
+    if argv[:2] == ["create", "-f"]:
+        return create(argv[2])
+    if argv[:2] == ["get", "job.batch"] and argv[3:] == ["--ignore-not-found", "-o", "json"]:
         return get(argv[2])
+    if argv[:1] == ["get"] and argv[1].startswith("persistentvolumeclaim/") and argv[2:] == ["-o", "name"]:
+        return claim(argv[1].split("/", 1)[1])
     if argv[:2] == ["logs", "-l"]:
         return logs(argv[2])
     if argv[:1] == ["delete"]:
         return delete([a for a in argv[1:] if not a.startswith("-")], [a for a in argv[1:] if a.startswith("-")])
-    print(f"error: this kubectl plays `apply -f`, `get job NAME -o json`, `logs -l` and `delete`; got {argv}",
-          file=sys.stderr)
+    print(f"error: this kubectl plays `create -f`, `get job.batch|persistentvolumeclaim`, `logs -l`, `delete`; "
+          f"got {argv}", file=sys.stderr)
     return 1
 
 

@@ -231,7 +231,7 @@ def test_a_sweep_of_two_trials_as_kubernetes_jobs_prunes_one(hosts, tmp_path):
     api = tmp_path / "api"
     api.mkdir()
     env = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT, "DISTRIB_TF_KUBE_API": str(api),
-           "DISTRIB_TF_KUBE_HOSTS": json.dumps(hosts), "PATH": _kubectl(tmp_path)}
+           "DISTRIB_TF_KUBE_HOSTS": json.dumps(hosts), "DISTRIB_TF_KUBE_CLAIMS": "runs", "PATH": _kubectl(tmp_path)}
     sweep_dir = claim / "sweep"
     args = [sys.executable, "-m", "distrib_tf.experiments.sweep", "--engine=kubernetes",
             "--image=registry.example/job:1", "--volume_claim=runs", f"--claim_mount={claim}",
@@ -280,7 +280,7 @@ def test_a_sweep_of_two_trials_as_kubernetes_jobs_prunes_one(hosts, tmp_path):
             text), text[-3000:]
     with open(os.path.join(pruned_dir, "trial.log"), encoding="utf-8") as f:
         pods = f.read()  # The pods' output, collected once the Job ended.
-    assert re.search(r"\[pod/\S+-1/task\] \[worker:1\] worker:1 pruned by the sweep", pods), pods[-3000:]
+    assert re.search(r"\[pod/\S+-1-\w{5}/task\] \[worker:1\] worker:1 pruned by the sweep", pods), pods[-3000:]
     outcomes = sorted(text.strip().splitlines()[-1] for text in controllers.values())
     assert outcomes[0].startswith("Failed: [(") and outcomes[1].startswith("Succeeded: []"), outcomes
     assert re.fullmatch(r"Failed: \[\(\d, 3, 'fail'\)\]", outcomes[0]), outcomes  # Exit 3: FailJob, once.
@@ -293,6 +293,10 @@ def test_a_sweep_of_two_trials_as_kubernetes_jobs_prunes_one(hosts, tmp_path):
     (["--image=i"], "Invalid value for `--engine`. Received: kubernetes, but no kubectl on PATH."),
     (["--volume_claim=runs"], "Missing `--image` for --engine=kubernetes."),
     (["--image=i"], "Missing `--volume_claim` for --engine=kubernetes."),
+    (["--image=i", "--volume_claim=Runs_1"], "Invalid value for `--volume_claim`. Received: Runs_1. Expected a "
+                                             "PersistentVolumeClaim's name"),
+    (["--image=i", "--volume_claim=other"], "Invalid value for `--volume_claim`. Received: other (kubectl: Error from "
+                                            'server (NotFound): persistentvolumeclaims "other" not found).'),
     (["--image=i", "--volume_claim=runs", "--claim_mount=runs"], "Invalid value for `--claim_mount`. Received: runs."),
     (["--image=i", "--volume_claim=runs", "--claim_mount={claim}", "--storage=journal:{claim}/study.log"],
      "Invalid value for `--sweep_dir` with --engine=kubernetes. Received: {sweep}. Expected a path under "
@@ -312,7 +316,8 @@ def test_a_kubernetes_sweep_refuses_what_its_pods_could_not_use_in_one_line(tmp_
     result = subprocess.run(
         [sys.executable, "-m", "distrib_tf.experiments.sweep", "--engine=kubernetes", f"--sweep_dir={sweep_dir}",
          "--space=units=[4]", *(flag.format(**names) for flag in flags), "--", "python", SWEPT],
-        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT, "PATH": path}, timeout=60)
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT, "PATH": path,
+                                             "DISTRIB_TF_KUBE_CLAIMS": "runs"}, timeout=60)
     assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
     assert result.stderr.count("\n") == 1 and message.format(**names) in result.stderr, result.stderr
     assert not sweep_dir.exists() and not (claim / "sweep").exists()  # Nothing started.
@@ -328,7 +333,7 @@ def test_a_sigterm_to_a_kubernetes_sweep_deletes_its_job_and_the_same_command_re
     api = tmp_path / "api"
     api.mkdir()
     env = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT, "DISTRIB_TF_KUBE_API": str(api),
-           "DISTRIB_TF_KUBE_HOSTS": json.dumps(hosts), "PATH": _kubectl(tmp_path)}
+           "DISTRIB_TF_KUBE_HOSTS": json.dumps(hosts), "DISTRIB_TF_KUBE_CLAIMS": "runs", "PATH": _kubectl(tmp_path)}
     sweep_dir = claim / "sweep"
     args = [sys.executable, "-m", "distrib_tf.experiments.sweep", "--engine=kubernetes",
             "--image=registry.example/job:1", "--volume_claim=runs", f"--claim_mount={claim}",

@@ -17,6 +17,7 @@ from cluster_runner import QUIET_TF
 from distrib_tf import events
 from distrib_tf import trial as trial_lib
 from distrib_tf.experiments import sweep
+from distrib_tf.experiments import sweep_engines
 from distrib_tf.experiments import sweep_promotion
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
@@ -438,3 +439,20 @@ def test_bad_input_exits_2_and_starts_nothing(tmp_path, args, message):
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_jobs_exit_code_is_each_launchers_last_the_largest_of_those(tmp_path):
+    """An engine's job gone before its end was read (deleted, forgotten): its launchers' events
+    tell. A pod preempted (75) and recreated to finish (0) ended with 0; the other's 3 stands."""
+    def ends(*pairs):
+        with open(tmp_path / "events.jsonl", "w") as f:
+            for at, (tasks, code) in enumerate(pairs):
+                f.write(json.dumps({"event": "job_end", "exit_code": code, "time": 100.0 + at,
+                                    **({"tasks": tasks} if tasks else {})}) + "\n")
+        return sweep_engines.exit_code_from_events(str(tmp_path), since=100.0)
+
+    assert ends((["worker:0"], 75), (["worker:1"], 0), (["worker:0"], 0)) == 0
+    assert ends((["worker:0"], 75), (["worker:1"], 3), (["worker:0"], 0)) == 3
+    assert ends((None, 75), (None, 0)) == 75  # An older launcher's, without its tasks: the largest.
+    assert ends() == 1  # None: failed.
+

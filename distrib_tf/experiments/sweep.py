@@ -214,7 +214,7 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
         """Follows the trial's events until its launcher or job ends: its exit code. A job on an
         engine is asked for its state every few seconds, and cancelled once the sweep stops."""
         follower = events.Follower(os.path.join(trial.model_dir, "events.jsonl"))
-        code, asked_at, cancelled = None, 0.0, 0.0
+        code, asked_at, cancelled, said = None, 0.0, 0.0, ""
         while True:
             if sweep.engine is None:
                 code = trial.proc.poll()
@@ -229,8 +229,11 @@ def run_sweep(study, sweep: Sweep, *, total: int, parallel: int, board) -> int:
                     asked_at = time.monotonic()
                     try:
                         code = sweep.engine.poll(trial.job, trial.model_dir)
-                    except sweep_engines.EngineError:
-                        code = None  # The engine busy: asked again.
+                    except sweep_engines.EngineError as e:
+                        code = None  # The engine busy, or no access: said once, and asked again.
+                        if str(e) != said:
+                            said = str(e)
+                            sweep.say(f"trial {trial.number}: {said} (asking again)")
             if code is not None:
                 break
             sweep.follow(trial, asked, follower, board)

@@ -276,11 +276,14 @@ def job_name(study_name: str, trial_id: str) -> str:
 
 
 def exit_code_from_events(model_dir: str, since: float = 0.0) -> int:
-    """The largest exit code among the launchers' `job_end` events of a trial after `since`
-    (Unix seconds), or 1 (failed) if none."""
-    codes = [e.get("exit_code", 1) for e in events.read(os.path.join(model_dir, "events.jsonl"))
-             if e["event"] == "job_end" and e.get("time", 0) >= since]
-    return max(codes) if codes else exit_codes.FAILED
+    """The exit code of a trial's job from its launchers' `job_end` events after `since` (Unix
+    seconds): the largest among each launcher's last (a pod preempted, 75, then recreated and
+    finished, 0, ended with 0), or 1 (failed) if none."""
+    last = {}
+    for i, e in enumerate(events.read(os.path.join(model_dir, "events.jsonl"))):
+        if e["event"] == "job_end" and e.get("time", 0) >= since:
+            last[tuple(e["tasks"]) if "tasks" in e else i] = e.get("exit_code", exit_codes.FAILED)
+    return max(last.values()) if last else exit_codes.FAILED
 
 
 def record_job(model_dir: str, job: str) -> None:

@@ -67,7 +67,7 @@ class Preempted(Exception):
 
 class _State:  # pylint: disable=too-few-public-methods
     """The process's phase and what a SIGTERM left behind."""
-    installed = requested = leaving = outside_default = leader = False
+    installed = requested = leaving = outside_default = leader = handling = False
     task = "this task"
     saved: list = []  # Innermost last: the step every worker's backup holds (`saved()`).
     guards = 0  # `guarded()` phases entered.
@@ -121,19 +121,29 @@ def _meaning():
 
 
 def _handle(signum, frame):
-    meaning, step = _meaning()
-    first = not _s.requested
-    _s.requested = True
-    if first and _s.peers_key is not None:  # Every worker, in whatever phase it is, is told.
-        _s.telling.append(threading.Thread(target=_tell, args=(_s.peers_key,), daemon=True))
-        _s.telling[-1].start()
-    if meaning == "default":  # Not ours to save: as if never installed, once the peers know.
-        told_peers()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+    # A second SIGTERM while the first is handled (a peer's word, the launcher's, the
+    # watchdog's) runs this again inside it, between two bytecodes of the first: the first,
+    # which means the same, acts for both. (Run nested, it joined a thread the first had not
+    # yet started, and left with 1 instead of 75.)
+    if _s.handling:
         return
-    if meaning == "leave":
-        leave(step)
+    _s.handling = True
+    try:
+        meaning, step = _meaning()
+        first = not _s.requested
+        _s.requested = True
+        if first and _s.peers_key is not None:  # Every worker, in whatever phase it is, is told.
+            _s.telling.append(threading.Thread(target=_tell, args=(_s.peers_key,), daemon=True))
+            _s.telling[-1].start()
+        if meaning == "default":  # Not ours to save: as if never installed, once the peers know.
+            told_peers()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if meaning == "leave":
+            leave(step)
+    finally:
+        _s.handling = False
 
 
 def leave(step: int | None) -> None:
@@ -314,7 +324,8 @@ def told_peers(timeout: float = 5.0) -> None:
     """Waits (at most `timeout` s) until the peers were told of this worker's SIGTERM: before a
     preempted worker leaves at once, its key must be in the coordination service."""
     for thread in _s.telling:
-        thread.join(timeout)
+        if thread.ident is not None:  # Started (a handler's start can be cut short by an exit).
+            thread.join(timeout)
 
 
 def _tell(key: str) -> None:

@@ -251,7 +251,7 @@ def run(config: LaunchConfig) -> LaunchResult:
         result = _run(config, console)
         failure = result.first_failure
         console.event("launcher", {"event": "job_end", "exit_code": result.exit_code,
-                                   "attempts": result.attempts,
+                                   "attempts": result.attempts, "tasks": [str(t) for t in config.tasks],
                                    "root_cause": failure.root_cause() if failure else None})
         return result
     finally:
