@@ -24,16 +24,12 @@ PY
 # .venv's own TensorFlow minor is the one `make test` runs everything on.
 base_minor=$(TF_CPP_MIN_LOG_LEVEL=3 .venv/bin/python -c 'import tensorflow as tf; print(tf.__version__.split(".")[1])' 2>/dev/null || true)
 minors=${DISTRIB_TF_TF_MINORS:-$minors}
-# Lean, for CI's hour: the Keras fixes' tests but the slow ones (make soak) and the kill-and-resume
-# one, and three of the "is needed" cases whose upstream failure is the model_checkpoint case's
-# (a write on a read-only disk in Keras's saving, then the chief's dead-peer error).
+# Lean, for CI's hour: the Keras fixes' tests but the slow ones (make soak: among them the
+# kill-and-resume one and three of the "is needed" cases whose upstream failure is the
+# model_checkpoint case's: a write on a read-only disk in Keras's saving, then the chief's dead-peer error).
 tests=(
   -m "not slow"
   tests/test_keras_compat.py
-  --deselect tests/test_keras_compat.py::test_killed_run_resumes_from_backup
-  "--deselect=tests/test_keras_compat.py::test_each_fix_is_needed[backup_and_restore-flags3-failures3]"
-  "--deselect=tests/test_keras_compat.py::test_each_fix_is_needed[backup_and_restore_end-flags4-failures4]"
-  "--deselect=tests/test_keras_compat.py::test_each_fix_is_needed[tensorboard-flags5-failures5]"
   "tests/test_examples.py::test_a_keras_io_script_preempted_inside_an_epoch_ends_on_the_uninterrupted_weights[mnist_convnet]"
   tests/test_launch.py::test_two_workers_train_through_the_launcher_one_speaks_and_every_event_streams
   tests/test_progress.py::test_quiet_drops_tensorflows_cuda_factory_lines_at_import

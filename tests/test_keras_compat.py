@@ -153,15 +153,18 @@ SLOW_END = ["--collective_timeout", 10, "--slow_train_end_seconds", 14]
     ("model_checkpoint", READ_ONLY,
      {"worker:1": READ_ONLY_WRITE.format("checkpoints"),
       "worker:0": DEAD_PEER}),
-    ("backup_and_restore", READ_ONLY,
-     {"worker:1": READ_ONLY_WRITE.format("backup"),
-      "worker:0": DEAD_PEER}),
-    ("backup_and_restore_end", [*READ_ONLY, "--delete_backup"],
-     {"worker:1": r"OSError: \[Errno 30\] Read-only file system: '(latest\.weights\.h5|training_metadata\.json)'"}),
-    ("tensorboard", READ_ONLY,
-     {"worker:1": r"PermissionDeniedError: \{\{function_node __wrapped__CreateSummaryFileWriter\S*\}\} "
-                  r"\S*/shared/logs\S*; Read-only file system",
-      "worker:0": DEAD_PEER}),
+    # make soak: the next three, whose upstream failure is model_checkpoint's above (a write on the
+    # read-only view in Keras's saving, then the chief's dead-peer error); make test-tf leaves them too.
+    pytest.param("backup_and_restore", READ_ONLY,
+                 {"worker:1": READ_ONLY_WRITE.format("backup"),
+                  "worker:0": DEAD_PEER}, marks=pytest.mark.slow),
+    pytest.param("backup_and_restore_end", [*READ_ONLY, "--delete_backup"],
+                 {"worker:1": r"OSError: \[Errno 30\] Read-only file system: "
+                              r"'(latest\.weights\.h5|training_metadata\.json)'"}, marks=pytest.mark.slow),
+    pytest.param("tensorboard", READ_ONLY,
+                 {"worker:1": r"PermissionDeniedError: \{\{function_node __wrapped__CreateSummaryFileWriter\S*\}\} "
+                              r"\S*/shared/logs\S*; Read-only file system",
+                  "worker:0": DEAD_PEER}, marks=pytest.mark.slow),
     ("trace_then_meet", SLOW_TRACE,
      {"worker:0": r"DeadlineExceededError[\s\S]*Collective has timed out during execution"}),
     # worker:1 at evaluate's reset_metrics: its collective times out; once in five runs TensorFlow's

@@ -115,7 +115,9 @@ def test_a_study_of_another_script_is_refused_and_kept(tmp_path):
 
 
 @pytest.mark.multiworker
-@pytest.mark.parametrize("kind", ["postgresql", "journal"])
+# make soak: the journal file. make test: the same sweep, kill and resume on PostgreSQL, and on SQLite in
+# tests/test_sweep.py; a journal study written, refused and read again (above); make test-ray sweeps on one.
+@pytest.mark.parametrize("kind", ["postgresql", pytest.param("journal", marks=pytest.mark.slow)])
 def test_a_sweep_in_a_database_sigkilled_resumes_and_prunes_through_the_study(tmp_path, request, kind):
     """Trial 0 learns; the sweep is SIGKILLed in its second epoch and started again at once.
     Trial 0 resumes first, at its step, once the killed sweep's launcher has backed up and

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 
 import keras
 import numpy as np
@@ -37,7 +38,8 @@ def augment(x, y):
 def write_images(folder, x, y):
     """Each row as a 4x2 grayscale PNG in `folder/<class>/`, once (a restart finds them)."""
     if not os.path.isdir(folder):
-        scratch = f"{folder}.{os.getpid()}"
+        # A directory of this process's own: the workers may share a PID (each in a PID namespace of its own).
+        scratch = tempfile.mkdtemp(prefix=f"{os.path.basename(folder)}.", dir=os.path.dirname(folder))
         pixels = np.clip((x - x.min()) / (x.max() - x.min()) * 255, 0, 255).astype(np.uint8).reshape(-1, 4, 2, 1)
         for i, (image, label) in enumerate(zip(pixels, y)):
             os.makedirs(os.path.join(scratch, "ab"[label]), exist_ok=True)
