@@ -217,18 +217,13 @@ def _sweep_output(proc):
     return out
 
 
-def test_a_sweep_of_two_trials_as_kubernetes_jobs_prunes_one(hosts, tmp_path):
-    """Issue 52 item 1 on Kubernetes: `distrib-tf-sweep --engine=kubernetes`, each trial an
-    Indexed Job of 2 pods (one per simulated node) applied through `kubectl` (tests/kubectl.py
-    plays the API: the Job's rules over real pods), the claim mounted at the same path in the
-    pods as in the sweep's, the study a journal file on it. The sweep is SIGKILLed after the
-    first trial's first epoch: its Job goes on (it is the cluster's), and the same command
-    follows it again. The grid's second trial (a learning rate of 0) is pruned after its first
-    epoch by the median of the first, on both pods, through the study; its Job fails at once
-    on exit 3 (a FailJob rule), so no pod is retried, and no trial runs twice."""
-    claim = tmp_path / "claim"
+@contextlib.contextmanager
+def _kubernetes_sweep(hosts, tmp_path, *flags):
+    """`(args, env, sweep_dir, api)`: a sweep over the simulated API (tests/kubectl.py), its
+    claim a directory mounted at the same path in the pods, its study a journal file there.
+    Afterwards every Job's controller is stopped, and with it its pods."""
+    claim, api = tmp_path / "claim", tmp_path / "api"
     claim.mkdir()
-    api = tmp_path / "api"
     api.mkdir()
     env = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT, "DISTRIB_TF_KUBE_API": str(api),
            "DISTRIB_TF_KUBE_HOSTS": json.dumps(hosts), "DISTRIB_TF_KUBE_CLAIMS": "runs", "PATH": _kubectl(tmp_path)}
@@ -236,30 +231,49 @@ def test_a_sweep_of_two_trials_as_kubernetes_jobs_prunes_one(hosts, tmp_path):
     args = [sys.executable, "-m", "distrib_tf.experiments.sweep", "--engine=kubernetes",
             "--image=registry.example/job:1", "--volume_claim=runs", f"--claim_mount={claim}",
             "--workers_per_trial=2", f"--storage=journal:{claim / 'study.log'}", f"--sweep_dir={sweep_dir}",
-            "--space=learning_rate=[0.05,0.0]", "--pruner=median", "--pruner_startup_trials=1",
-            "--metric=val_loss", "--mode=min", "--", "python", SWEPT, "--epochs=2"]
-
-    def sweep():
-        return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
+            "--metric=val_loss", "--mode=min", *flags]
     try:
-        killed = sweep()
-        deadline = time.monotonic() + 300
-        while not (found := glob.glob(f"{sweep_dir}/trial-*/events.jsonl")):
-            assert time.monotonic() < deadline and killed.poll() is None, _sweep_output(killed)[-5000:]
-            time.sleep(0.2)
-        while not any(e["event"] == "epoch" for e in events.read(found[0])):
-            assert time.monotonic() < deadline and killed.poll() is None, _sweep_output(killed)[-5000:]
-            time.sleep(0.2)
-        killed.kill()
-        _sweep_output(killed)
-        output = _sweep_output(sweep())
+        yield args, env, sweep_dir, api
     finally:
         for pid_file in glob.glob(f"{api}/*/controller.pid"):  # Ours: each Job's controller, and its pods.
             with open(pid_file) as f:
                 pid = int(f.read())
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
+
+
+def _after_the_first_epoch(proc, sweep_dir) -> str:
+    """Waits until the first trial's chief ended an epoch: that trial's `events.jsonl`."""
+    deadline = time.monotonic() + 300
+    while not (found := glob.glob(f"{sweep_dir}/trial-*/events.jsonl")):
+        assert time.monotonic() < deadline and proc.poll() is None, _sweep_output(proc)[-5000:]
+        time.sleep(0.2)
+    while not any(e["event"] == "epoch" for e in events.read(found[0])):
+        assert time.monotonic() < deadline and proc.poll() is None, _sweep_output(proc)[-5000:]
+        time.sleep(0.2)
+    return found[0]
+
+
+def test_a_sweep_of_two_trials_as_kubernetes_jobs_prunes_one(hosts, tmp_path):
+    """Issue 52 item 1 on Kubernetes: `distrib-tf-sweep --engine=kubernetes`, each trial an
+    Indexed Job of 2 pods (one per simulated node) created through `kubectl` (tests/kubectl.py
+    plays the API: the Job's rules over real pods), the claim mounted at the same path in the
+    pods as in the sweep's, the study a journal file on it. The sweep is SIGKILLed after the
+    first trial's first epoch: its Job goes on (it is the cluster's), and the same command
+    follows it again. The grid's second trial (a learning rate of 0) is pruned after its first
+    epoch by the median of the first, on both pods, through the study; its Job fails at once
+    on exit 3 (a FailJob rule), so no pod is retried, and no trial runs twice."""
+    flags = ("--space=learning_rate=[0.05,0.0]", "--pruner=median", "--pruner_startup_trials=1", "--", "python",
+             SWEPT, "--epochs=2")
+    with _kubernetes_sweep(hosts, tmp_path, *flags) as (args, env, sweep_dir, api):
+        def sweep():
+            return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+        killed = sweep()
+        _after_the_first_epoch(killed, sweep_dir)
+        killed.kill()
+        _sweep_output(killed)
+        output = _sweep_output(sweep())
     assert re.search(r"trial 0 \{'learning_rate': 0.05\}: its job kubernetes:\S+ followed again", output), (
         output[-5000:])
     assert "sweep: 2/2 ended (1 pruned, 0 failed)" in output, output[-5000:]
@@ -326,41 +340,19 @@ def test_a_kubernetes_sweep_refuses_what_its_pods_could_not_use_in_one_line(tmp_
 def test_a_sigterm_to_a_kubernetes_sweep_deletes_its_job_and_the_same_command_resumes_the_trial(hosts, tmp_path):
     """Ctrl-C or SIGTERM to the sweep: `kubectl delete --cascade=foreground` of the running
     trial's Job, each pod SIGTERMed, every worker backs up one agreed step and exits 75, and
-    the sweep, once the Job is gone, exits 75 itself; the same command applies the trial anew
+    the sweep, once the Job is gone, exits 75 itself; the same command creates the trial's Job anew
     and both pods resume at that step."""
-    claim = tmp_path / "claim"
-    claim.mkdir()
-    api = tmp_path / "api"
-    api.mkdir()
-    env = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT, "DISTRIB_TF_KUBE_API": str(api),
-           "DISTRIB_TF_KUBE_HOSTS": json.dumps(hosts), "DISTRIB_TF_KUBE_CLAIMS": "runs", "PATH": _kubectl(tmp_path)}
-    sweep_dir = claim / "sweep"
-    args = [sys.executable, "-m", "distrib_tf.experiments.sweep", "--engine=kubernetes",
-            "--image=registry.example/job:1", "--volume_claim=runs", f"--claim_mount={claim}",
-            "--workers_per_trial=2", f"--storage=journal:{claim / 'study.log'}", f"--sweep_dir={sweep_dir}",
-            "--space=learning_rate=[0.05]", "--metric=val_loss", "--mode=min", "--", "python", SWEPT, "--epochs=8"]
-    try:
+    flags = ("--space=learning_rate=[0.05]", "--", "python", SWEPT, "--epochs=8")
+    with _kubernetes_sweep(hosts, tmp_path, *flags) as (args, env, sweep_dir, api):
         stopped = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 300
-        while not (found := glob.glob(f"{sweep_dir}/trial-*/events.jsonl")):
-            assert time.monotonic() < deadline and stopped.poll() is None, _sweep_output(stopped)[-5000:]
-            time.sleep(0.2)
-        while not any(e["event"] == "epoch" for e in events.read(found[0])):
-            assert time.monotonic() < deadline and stopped.poll() is None, _sweep_output(stopped)[-5000:]
-            time.sleep(0.2)
+        found = _after_the_first_epoch(stopped, sweep_dir)
         stopped.send_signal(signal.SIGTERM)
         first = _sweep_output(stopped)
         assert stopped.returncode == exit_codes.PREEMPTED, first[-5000:]
         second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
-    finally:
-        for pid_file in glob.glob(f"{api}/*/controller.pid"):
-            with open(pid_file) as f:
-                pid = int(f.read())
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
     assert second.returncode == 0 and "sweep: 1/1 ended (0 pruned, 0 failed)" in second.stdout, (
         second.stdout[-5000:] + second.stderr[-3000:])
-    trial_dir = os.path.dirname(found[0])
+    trial_dir = os.path.dirname(found)
     steps = set()
     for task in ("worker_0", "worker_1"):
         with open(os.path.join(trial_dir, f"{task}.log"), encoding="utf-8") as f:

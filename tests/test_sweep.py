@@ -19,6 +19,7 @@ from distrib_tf import trial as trial_lib
 from distrib_tf.experiments import sweep
 from distrib_tf.experiments import sweep_engines
 from distrib_tf.experiments import sweep_promotion
+from distrib_tf.experiments import sweep_space
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
@@ -172,8 +173,8 @@ def test_a_sigkilled_sweep_resumes_its_trial_exactly_and_runs_none_twice(tmp_pat
     assert "resumed in" in again.stdout
     rows = _rows(tmp_path / "sweep")
     assert len(rows) == 1 and rows[0]["status"] == "finished"  # One trial, not a second one.
-    study = sweep.open_study(str(tmp_path / "sweep"), sweep.parse_space("learning_rate=[0.05] units=[8]", kinds=None),
-                             sampler="grid", seed=0, mode="min")
+    space = sweep_space.parse_space("learning_rate=[0.05] units=[8]", kinds=None)
+    study = sweep.open_study(str(tmp_path / "sweep"), space, sampler="grid", seed=0, mode="min")
     assert sorted(t.state.name for t in study.trials) == ["COMPLETE", "FAIL"]
     assert not [t for t in study.trials if "cause" in t.user_attrs]  # Interrupted, not failed.
 
@@ -267,7 +268,7 @@ def test_a_killed_sweep_retries_a_promoted_attempt_and_keeps_a_pause_it_said(tmp
     (before telling Optuna): started again, it runs the promoted attempt again as a promotion,
     and units=8 stays paused at its rung instead of running on past it."""
     states = sweep.optuna_module().trial.TrialState
-    space = sweep.parse_space("units=[4,8]", kinds=None)
+    space = sweep_space.parse_space("units=[4,8]", kinds=None)
     study = sweep.open_study(str(tmp_path), space, sampler="grid", seed=0, mode="min")
     paused = sweep.ask_new(study, space, "grid")
     paused.report(0.5, 1)
@@ -377,13 +378,13 @@ def _asked(tmp_path, space, sampler, count, seed=0, mode="max"):
 
 
 def test_space_parsing_and_optuna_sampling(tmp_path):
-    space = sweep.parse_space("learning_rate=logspace(1e-4,1e-2,3) global_batch_size=[32,64]")
+    space = sweep_space.parse_space("learning_rate=logspace(1e-4,1e-2,3) global_batch_size=[32,64]")
     assert [round(v, 6) for v in space[0].values] == [0.0001, 0.001, 0.01]
-    assert sweep.grid_size(space) == 6
+    assert sweep_space.grid_size(space) == 6
     _, _, grid = _asked(tmp_path / "grid", space, "grid", 6)
     assert [(v["learning_rate"], v["global_batch_size"]) for v in grid] == [
         (lr, b) for lr in space[0].values for b in (32, 64)]  # Every point once, in the order written.
-    ranged = sweep.parse_space(data={"learning_rate": {"loguniform": [1e-4, 1e-2]}, "seed": [1, 2]})
+    ranged = sweep_space.parse_space(data={"learning_rate": {"loguniform": [1e-4, 1e-2]}, "seed": [1, 2]})
     _, _, draws = _asked(tmp_path / "a", ranged, "random", 20, seed=3)
     assert all(1e-4 <= d["learning_rate"] <= 1e-2 and d["seed"] in (1, 2) for d in draws)
     assert draws == _asked(tmp_path / "b", ranged, "random", 20, seed=3)[2]
@@ -391,13 +392,13 @@ def test_space_parsing_and_optuna_sampling(tmp_path):
     _, _, more = _asked(tmp_path / "a", ranged, "random", 3, seed=3)
     assert more[0] not in draws[:3]
     # A range of an integer flag draws integers (floats made every trial fail on the flag).
-    integers = sweep.parse_space("epochs=uniform(1,4) steps_per_epoch=loguniform(2,64)")
+    integers = sweep_space.parse_space("epochs=uniform(1,4) steps_per_epoch=loguniform(2,64)")
     _, _, draws = _asked(tmp_path / "c", integers, "random", 10, seed=1)
     assert all(type(d["epochs"]) is int and 1 <= d["epochs"] <= 4 for d in draws), draws
     with pytest.raises(ValueError, match=r"Received: '1.5'\. Expected an integer"):
-        sweep.parse_space("epochs=uniform(1.5,4)")
+        sweep_space.parse_space("epochs=uniform(1.5,4)")
     # A user's script: any name, its type as written.
-    mine = {d.name: d for d in sweep.parse_space("units=[32,64] act=[relu,gelu] rate=[0.1,1] n=logint(2,64) "
+    mine = {d.name: d for d in sweep_space.parse_space("units=[32,64] act=[relu,gelu] rate=[0.1,1] n=logint(2,64) "
                                                  "lr=loguniform(1e-4,1e-2)", kinds=None)}
     assert mine["units"].values == (32, 64) and mine["act"].values == ("relu", "gelu")
     assert mine["rate"].values == (0.1, 1.0) and mine["n"].integer and mine["n"].log and not mine["lr"].integer
@@ -405,7 +406,7 @@ def test_space_parsing_and_optuna_sampling(tmp_path):
 
 def test_min_mode_and_a_zero_metric_reach_optuna(tmp_path):
     """The study minimizes with --mode=min, and 0.0 is recorded as a value, not a failure."""
-    space = sweep.parse_space("learning_rate=[0.1,0.2]")
+    space = sweep_space.parse_space("learning_rate=[0.1,0.2]")
     study, asked, _ = _asked(tmp_path, space, "grid", 2, mode="min")
     study.tell(asked[0], 0.0)
     study.tell(asked[1], 0.5)

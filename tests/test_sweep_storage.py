@@ -21,6 +21,7 @@ import postgres as postgres_lib
 from cluster_runner import QUIET_TF
 from distrib_tf import events
 from distrib_tf.experiments import sweep
+from distrib_tf.experiments import sweep_space
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
@@ -62,7 +63,7 @@ def _text(path) -> str:
 
 
 def _study(sweep_dir, url, name, names="learning_rate=[0.05,0.0]"):
-    return sweep.open_study(str(sweep_dir), sweep.parse_space(names, kinds=None), sampler="grid", seed=0,
+    return sweep.open_study(str(sweep_dir), sweep_space.parse_space(names, kinds=None), sampler="grid", seed=0,
                             mode="min", storage=url, study_name=name)
 
 
@@ -99,7 +100,7 @@ def test_bad_storage_exits_2_in_one_line_and_starts_nothing(tmp_path, storage, m
 
 def test_a_study_of_another_script_is_refused_and_kept(tmp_path):
     url = f"journal:{tmp_path}/study.log"
-    space = sweep.parse_space("units=[4,8]", kinds=None)
+    space = sweep_space.parse_space("units=[4,8]", kinds=None)
     other = sweep.open_study(str(tmp_path), space, sampler="grid", seed=0, mode="min", storage=url,
                              program="/home/me/other.py")
     other.tell(sweep.ask_new(other, space, "grid"), 0.5)
