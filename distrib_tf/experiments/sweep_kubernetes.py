@@ -92,7 +92,7 @@ class KubernetesEngine:
 
         engine = KubernetesEngine(workers=2, image="registry.example/job:1", volume_claim="runs",
                                   mount="/runs")
-        job = engine.submit(trial, sweep)   # "kubernetes:distrib-tf-0a1b2c3d4e-7"
+        job = engine.submit(trial, sweep)   # "kubernetes:distrib-tf-0a1b2c3d4e-7-x7k2p"
         engine.poll(job, trial.model_dir)   # None while its pods run, then its exit code
     """
 
