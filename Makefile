@@ -7,13 +7,24 @@ STAMP := $(VENV)/.installed
 VENV_RAY := .venv-ray
 STAMP_RAY := $(VENV_RAY)/.installed
 
-.PHONY: install docs train test test-fast test-compat test-keras test-tf test-ray test-engines soak bench bench-data bench-layout bench-scaling bench-sync bench-overhead bench-resize bench-backup lint clean
+.PHONY: install install-suites docs train test test-fast test-compat test-keras test-tf test-ray test-engines soak bench bench-data bench-layout bench-scaling bench-sync bench-overhead bench-resize bench-backup lint clean
+
+# One line says what is installed; pip prints its errors only (-qq). `make train` installs the
+# library and TensorFlow (.venv/.installed-run); the test targets add the test tools and keras-hub.
+STAMP_RUN := $(VENV)/.installed-run
+$(STAMP_RUN): setup.cfg pyproject.toml
+	@echo "make: installing distrib_tf with TensorFlow into $(VENV) (pip's errors only)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -qq --upgrade pip
+	@$(PY) -m pip install -qq -e .
+	@touch $(STAMP_RUN)
 
 $(STAMP): setup.cfg pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,hub]'
-	touch $(STAMP)
+	@echo "make: installing distrib_tf with TensorFlow, the test tools and keras-hub into $(VENV) (pip's errors only)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -qq --upgrade pip
+	@$(PY) -m pip install -qq -e '.[test,hub]'
+	@touch $(STAMP_RUN) $(STAMP)
 
 install: $(STAMP)
 
@@ -27,7 +38,7 @@ docs: $(STAMP_DOCS)
 	mkdir -p docs/benchmarks && cp benchmarks/*.png docs/benchmarks/
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
-train: $(STAMP)
+train: $(STAMP_RUN)
 	$(PY) -m distrib_tf.launch --cluster_spec=cluster_specs/local_2workers.json \
 	    -- $(PY) -m distrib_tf.train --model=cnn --model_dir=runs/cnn
 
@@ -66,18 +77,25 @@ $(STAMP_RAY): setup.cfg pyproject.toml
 	$(VENV_RAY)/bin/python -m pip install --quiet -e '.[test,ray]'
 	touch $(STAMP_RAY)
 
+# The venvs of test-tf and test-ray alone, no test: .ci/run installs them while make test runs.
+install-suites: $(STAMP) $(STAMP_RAY)
+	DISTRIB_TF_INSTALL_ONLY=1 scripts/test_tf.sh
+
+# (Tasks as new interpreters, not forks: the tests find them in /proc by their command lines.)
 test-ray: $(STAMP_RAY)
-	DISTRIB_TF_REQUIRE_RAY=1 $(VENV_RAY)/bin/python -m pytest -q --durations=5 tests/test_ray.py
+	DISTRIB_TF_FORKSERVER= DISTRIB_TF_REQUIRE_RAY=1 $(VENV_RAY)/bin/python -m pytest -q --durations=5 tests/test_ray.py
 
 # As root: the Kubernetes exports' pods as local processes, each engine's restart rules
 # played on them (tests/test_engines.py): a killed pod, a preemption, a bad flag, a sweep whose
 # trials are Jobs applied through a `kubectl` that plays the API (tests/kubectl.py); on a two-node
 # Slurm, a resize and a sweep whose trials are batch jobs, the study in PostgreSQL (tests/test_slurm.py).
+# Tasks as new interpreters (not forks of the suite's server): under srun and in the pods, as users run them.
 test-engines: $(STAMP)
-	$(PY) -m pytest -q --durations=5 -m engines tests/test_engines.py tests/test_slurm.py
+	DISTRIB_TF_FORKSERVER= $(PY) -m pytest -q --durations=5 -m engines tests/test_engines.py tests/test_slurm.py
 
+# Two test files at a time, as make test (each test's report is its own file beside soak_report.json).
 soak: $(STAMP)
-	DISTRIB_TF_SOAK_REPORT=soak_report.json $(PY) -m pytest -q -s -m slow
+	DISTRIB_TF_SOAK_REPORT=$(CURDIR)/soak_report.json $(PY) -m pytest -q -rfE --durations=25 -n 2 --dist loadfile -m slow
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

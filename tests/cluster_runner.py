@@ -1,5 +1,6 @@
 """Start the tasks of a cluster spec as local processes, each with its own TF_CONFIG."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -8,9 +9,11 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from distrib_tf.cluster import ClusterSpec
+from distrib_tf.launch import forkserver
 
 QUIET_TF = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,21 +37,40 @@ def run_cluster(argv, *, spec, env=None, timeout=180) -> list[TaskResult]:
     procs = []
     for task in spec.tasks:
         task_env = {**os.environ, **QUIET_TF, **(env or {}), "TF_CONFIG": spec.tf_config(task)}
-        procs.append((str(task), subprocess.Popen(
-            [sys.executable, *map(str, argv)], env=task_env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True,
-        )))
+        procs.append((str(task), popen([sys.executable, *map(str, argv)], env=task_env)))
     return _collect(procs, timeout)
+
+
+def popen(command, *, env):
+    """`command` started with its output in a text pipe, in a session of its own: forked from
+    the suite's pre-imported interpreter where it serves `command` (`conftest._forkserver`)."""
+    if forkserver.serves(command, env):
+        return forkserver.spawn(command, env=env, stdout=-1, stderr=-2, text=True)
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def run(command, *, env, cwd=None, timeout=120) -> subprocess.CompletedProcess:
+    """`subprocess.run(command, capture_output=True, text=True)`, forked where a server serves
+    `command` (a main job refusing its flags may import TensorFlow first)."""
+    if not forkserver.serves(command, env):
+        return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryFile("w+") as stderr:
+        task = forkserver.spawn(command, env=env, cwd=cwd, stdout=-1, stderr=stderr.fileno(), text=True)
+        try:
+            output, _ = task.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):  # Its group, unless it ended meanwhile.
+                os.killpg(task.pid, signal.SIGKILL)
+            raise
+        stderr.seek(0)
+        return subprocess.CompletedProcess(command, task.returncode, output, stderr.read())
 
 
 def run_single(argv, *, env=None, timeout=180) -> TaskResult:
     """Runs `python argv...` as one process with no TF_CONFIG."""
     base = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    proc = subprocess.Popen(
-        [sys.executable, *map(str, argv)], env={**base, **QUIET_TF, **(env or {})},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
+    proc = popen([sys.executable, *map(str, argv)], env={**base, **QUIET_TF, **(env or {})})
     return _collect([("single", proc)], timeout)[0]
 
 

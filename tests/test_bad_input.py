@@ -7,11 +7,11 @@ traceback, no hang, and leave an existing `model_dir` exactly as it was.
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
+import cluster_runner
 from cluster_runner import QUIET_TF
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
@@ -22,8 +22,7 @@ with open(os.path.join(os.path.dirname(__file__), "bad_inputs.json"), encoding="
 
 
 def _run(args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                          env={**ENV, **(env or {})}, timeout=timeout, cwd=ROOT)
+    return cluster_runner.run([sys.executable, "-m", *args], env={**ENV, **(env or {})}, timeout=timeout, cwd=ROOT)
 
 
 def _one_error_line(result, prog):

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import keras
+import pytest
 import tensorflow as tf
 
 from cluster_runner import QUIET_TF
@@ -60,6 +61,7 @@ def _two_workers(model_dir, *args):
                                      re.findall(r"\[(worker:\d)\] RESULT (\{.*\})", text)}
 
 
+@pytest.mark.slow  # 65 s: make soak. make test replays keras.io's pipeline, trains an image folder (test_prepare).
 def test_an_image_folder_pipeline_on_two_workers_runs_twice_alike_and_resumes_bit_identical(tmp_path):
     """The same rows as an image folder read by `keras.utils.image_dataset_from_directory` with a
     seed (which reshuffles its files each epoch), then keras.io's map, cache and prefetch, on 2

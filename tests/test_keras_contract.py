@@ -19,6 +19,29 @@ def test_the_gap_is_what_passes_plainly_and_fails_with_the_run():
     assert contract.gap_of(plain, run) == {"a": "E: a"}
 
 
+def test_plain_runs_what_fails_with_the_run_and_finds_the_same_gap_and_stale_refusals():
+    # Every pair of outcomes (plain, run) of a test, and a refusal of each: the plain
+    # outcomes of `plain_needed`'s tests alone give the gap and the stale refusals of all.
+    outcomes = ("passed", "failed", "skipped")
+    pairs = {f"k/a_test.py::T::test_{p}_{r}": (p, r) for p in outcomes for r in outcomes}
+    plain = {test: {"outcome": p} for test, (p, _) in pairs.items()}
+    run = {test: {"outcome": r, "error": f"E: {test}"} for test, (_, r) in pairs.items()}
+    refusals = {("one", test): "why" for test in pairs} | {("two", "k/a_test.py::T::test_passed_failed"): "why"}
+    needed = contract.plain_needed(run)
+    assert needed == sorted(test for test, (_, r) in pairs.items() if r == "failed")
+    subset = {test: plain[test] for test in needed}
+    assert contract.gap_of(subset, run) == contract.gap_of(plain, run) == {
+        "k/a_test.py::T::test_passed_failed": "E: k/a_test.py::T::test_passed_failed"}
+    stale = contract.stale_of(refusals, "one", run, contract.gap_of(subset, run))
+    assert stale == contract.stale_of(refusals, "one", run, contract.gap_of(plain, run))
+    assert sorted(test for _, test in stale) == sorted(set(pairs) - {"k/a_test.py::T::test_passed_failed"})
+
+
+def test_the_plain_run_collects_the_files_of_its_tests_once():
+    tests = ["k/b_test.py::T::test_x[1]", "k/a_test.py", "k/b_test.py::T::test_y", "k/a_test.py::U::test_z"]
+    assert contract.files_of(tests) == ["k/b_test.py", "k/a_test.py"]
+
+
 def test_refusals_read_per_layout(tmp_path):
     path = tmp_path / "refusals.txt"
     path.write_text("# A group\nboth k/a_test.py::T::test_a -- a reason\n\ntwo k/b_test.py::T::test_b -- another\n")

@@ -11,7 +11,9 @@ import sys
 import keras
 import numpy as np
 import pytest
+from workers import faults
 
+import cluster_runner
 import distrib_tf
 from cluster_runner import QUIET_TF
 from cluster_runner import finished_backups
@@ -71,6 +73,28 @@ def test_model_fit_takes_keras_arguments_and_gives_plain_keras_history(tmp_path,
     assert "examples_per_second" in summary["epochs"][0] and "nonfinite_replicas" in summary["epochs"][0]
 
 
+def test_epoch_metrics_of_a_custom_step_and_an_evaluate_inside_fit_are_plain_keras_ones(tmp_path):
+    """Under a run of 2 replicas (tests/workers/epoch_metrics.py): keras.io's custom
+    `train_step` with its own metrics ends each epoch on their results over every replica,
+    as plain Keras does (the NaN check's key in `get_metrics_result` made Keras take the last
+    step's logs, per-replica AUC and Precision); and an `evaluate` inside a callback during
+    `fit` returns plain Keras's values, not one more (issue 60 item 10)."""
+    code, text, result = run_script(os.path.join(ROOT, "tests", "workers", "epoch_metrics.py"), tmp_path / "run",
+                                    env=ENV)
+    assert code == 0, text[-3000:]
+    run, plain = result["run"], result["plain"]
+    for model in ("own", "compiled"):
+        np.testing.assert_allclose(run[model]["weights"], plain[model]["weights"], rtol=1e-5, atol=1e-7)
+        assert run[model]["history"].keys() == plain[model]["history"].keys()
+    for key in ("auc", "precision"):  # (Its loss is Keras's scaled one under a strategy: its own tracker's.)
+        np.testing.assert_allclose(run["own"]["history"][key], plain["own"]["history"][key], rtol=1e-6, err_msg=key)
+    for key, values in plain["compiled"]["history"].items():
+        np.testing.assert_allclose(run["compiled"]["history"][key], values, rtol=1e-6, err_msg=key)
+    evaluated, plain_evaluated = run["compiled"]["evaluate_in_fit"], plain["compiled"]["evaluate_in_fit"]
+    assert [len(r) for r in evaluated] == [len(r) for r in plain_evaluated] == [3, 3], evaluated  # loss, accuracy, auc.
+    np.testing.assert_allclose(evaluated, plain_evaluated, rtol=1e-5)
+
+
 def test_a_dataset_without_a_length_needs_steps_and_a_bad_argument_is_one_line(tmp_path):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
@@ -84,22 +108,26 @@ def test_a_dataset_without_a_length_needs_steps_and_a_bad_argument_is_one_line(t
         assert model.fit(endless, epochs=1, steps_per_epoch=2, verbose=0).epoch == [0]
         with pytest.raises(distrib_tf.run.InvalidRun, match=r"Invalid value for argument `validation_split`"):
             model.fit(np.ones((8, 2)), np.ones(8), validation_split=1.5)
-        with pytest.raises(distrib_tf.run.InvalidRun, match=r"x='generator'.*cannot be resumed at a step"):
+        with pytest.raises(distrib_tf.run.InvalidRun, match=r"`steps_per_epoch`. Received: None with a Python gen"):
             model.fit((batch for batch in [(np.ones((4, 2)), np.ones(4))]), epochs=1)
     finally:
         run.end()
 
 
-@pytest.mark.parametrize("above, arguments, said", [
-    ("", "on_nan='skip'", "Invalid value for argument `on_nan`. Received: on_nan='skip'. Expected one of stop, "
+@pytest.mark.parametrize("above, arguments, below, said", [
+    ("", "on_nan='skip'", "", "Invalid value for argument `on_nan`. Received: on_nan='skip'. Expected one of stop, "
      "rollback."),
     # keras.io's image scripts load their data first (issue 50): the strategy is made too late.
-    ("import tensorflow as tf\ndata = tf.data.Dataset.range(8).batch(2)\n", "cpu_replicas=2",
+    ("import tensorflow as tf\ndata = tf.data.Dataset.range(8).batch(2)\n", "cpu_replicas=2", "",
      "distrib_tf.Run(...) came after the script's first TensorFlow operation"),
-], ids=["bad_argument", "after_a_tf_data_pipeline"])
-def test_a_bad_run_argument_exits_2_with_one_line(tmp_path, above, arguments, said):
-    script = f"{above}import distrib_tf\nrun = distrib_tf.Run({str(tmp_path / 'run')!r}, {arguments})\n"
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV)
+    # A script that keeps its own strategy beside a run: TensorFlow refuses to mix them.
+    ("import tensorflow as tf\n", "", "with tf.distribute.MirroredStrategy().scope():\n    pass\n",
+     "Invalid strategy scope: the script entered the scope of a strategy of its own while a run is live. "
+     "Received: MirroredStrategy.scope()."),
+], ids=["bad_argument", "after_a_tf_data_pipeline", "a_strategy_of_its_own"])
+def test_a_bad_run_argument_exits_2_with_one_line(tmp_path, above, arguments, below, said):
+    script = f"{above}import distrib_tf\nrun = distrib_tf.Run({str(tmp_path / 'run')!r}, {arguments})\n{below}"
+    result = cluster_runner.run([sys.executable, "-c", script], timeout=120, env=ENV)
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("python: error:")]
     assert len(errors) == 1 and errors[0].startswith(f"python: error: {said}"), result.stderr[-3000:]
@@ -387,3 +415,98 @@ def test_a_second_fit_without_recompiling_preempted_resumes_at_its_own_step(tmp_
     assert resumed["iterations"] == 40 and resumed["weights"] == uninterrupted["weights"]
     assert resumed["histories"][0] == uninterrupted["histories"][0]
     assert resumed["histories"][1]["loss"] == pytest.approx(uninterrupted["histories"][1]["loss"], rel=1e-6)
+
+
+def _fit_end_data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 5)).astype("float32")
+    return x, x[:, :2].argmax(axis=1)
+
+
+def _fit_end_model(**compile_args):
+    keras.backend.clear_session()  # The same variable names each time: the same run to resume.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), **compile_args)
+    return model
+
+
+def test_a_finished_fit_run_again_returns_the_state_keras_left_after_restoring_the_best_weights(tmp_path):
+    """Issue 60 item 1: EarlyStopping(restore_best_weights=True) stops after epoch 3 and
+    restores epoch 1's weights in `on_train_end`. The same lines through a Run, twice in one
+    model_dir (the second returns the finished fit from its backup), end on plain Keras's
+    weights both times, bit for bit (before: the backup was taken before the restore, and the
+    second run returned epoch 3's weights)."""
+    x, y = _fit_end_data()
+
+    def fit(model):
+        stop = keras.callbacks.EarlyStopping(monitor="loss", patience=2, min_delta=1e9, restore_best_weights=True)
+        history = model.fit(x, y, batch_size=20, epochs=6, shuffle=False, callbacks=[stop], verbose=0)
+        assert len(history.history["loss"]) == 3
+        return model.get_weights()
+
+    plain = fit(_fit_end_model(optimizer="adam"))
+    ours = []
+    for _ in range(2):
+        run = distrib_tf.Run(tmp_path / "run", exit_on_error=False)
+        try:
+            ours.append(fit(_fit_end_model(optimizer="adam")))
+        finally:
+            run.end()
+    for weights in ours:
+        assert all(np.array_equal(a, b) for a, b in zip(weights, plain))
+
+
+@pytest.mark.parametrize("case", ["steps_per_execution", "resumed"])
+def test_use_ema_swaps_once_at_the_stage_end_as_plain_keras(tmp_path, case):
+    """Issue 60 item 1: Keras's `fit` ends by swapping the optimizer's EMA into the weights
+    (`use_ema=True`). A stage of several Keras fits (one an epoch under `steps_per_execution`;
+    a partial epoch resumed, then the rest) swaps once, at its end: plain Keras's weights,
+    bit for bit (before: each inner fit swapped, and training went on from the EMA)."""
+    x, y = _fit_end_data()
+    execution = 2 if case == "steps_per_execution" else 1
+
+    def fit(model, *callbacks):
+        model.fit(x, y, batch_size=20, epochs=3, shuffle=False, callbacks=list(callbacks), verbose=0)
+        return model.get_weights()
+
+    def model():
+        return _fit_end_model(optimizer=keras.optimizers.Adam(use_ema=True, ema_overwrite_frequency=None),
+                              steps_per_execution=execution)
+
+    plain = fit(model())
+    if case == "resumed":  # Crashed at step 17 of 30: resumed from the backup of step 15 (epoch 2, step 5 of it).
+        with pytest.raises(RuntimeError, match="crashed"):
+            with distrib_tf.Run(tmp_path / "run", backup_every_steps=5, exit_on_error=False):
+                fit(model(), faults.Crash(17))
+    with distrib_tf.Run(tmp_path / "run", backup_every_steps=5, exit_on_error=False) as run:
+        ours = fit(model())
+    assert run.summary["resumed_at_step"] == (15 if case == "resumed" else 0)
+    assert all(np.array_equal(a, b) for a, b in zip(ours, plain))
+
+
+GAN_SCRIPT = os.path.join(ROOT, "tests", "workers", "gan_resume.py")
+
+
+def test_a_gan_with_optimizers_of_its_own_crashed_inside_an_epoch_resumes_bit_identical(tmp_path):
+    """Issue 60 item 3: keras.io's DCGAN shape trains with two optimizers of its own and never
+    moves `model.optimizer`, whose `iterations` was the run's step: every backup was "step 0"
+    and a crash restarted from scratch, the optimizers' slots not backed up. The run counts
+    the batches trained itself: crashed at step 7 (epoch 2), the backups hold steps 4 (epoch 1's
+    end) and 5 (every 5), the restart resumes at 5 (their slots and iterations restored) and ends on the
+    uninterrupted run's weights of both networks and variables of both optimizers, bit for bit."""
+    texts = []
+    for args in ([], ["--resume"]):
+        proc = subprocess.run([sys.executable, GAN_SCRIPT, str(tmp_path), *args], env=ENV, capture_output=True,
+                              text=True, timeout=300, check=False)
+        texts.append(proc.stdout + proc.stderr)
+        assert proc.returncode == 0, texts[-1][-3000:]
+    first = json.loads((tmp_path / "first.json").read_text())
+    uninterrupted, resumed = first["uninterrupted"], json.loads((tmp_path / "resumed.json").read_text())
+    assert first["crash"] == "crashed" and first["backups"] == [4, 5], first["backups"]  # Were: [0].
+    assert "chief:0 resumes at step 5 (epoch 2, step 1 of it)" in texts[1], texts[1][-3000:]
+    assert not any("did not count this step" in text for text in texts), texts
+    assert resumed["resumed_at_step"] == 5 and uninterrupted["resumed_at_step"] == 0
+    assert uninterrupted["iterations"] == resumed["iterations"] == [12, 12]
+    assert resumed["weights"] == uninterrupted["weights"]
+    assert resumed["optimizers"] == uninterrupted["optimizers"]

@@ -214,6 +214,7 @@ def test_preempted_on_two_workers_resumes_on_one_process_where_the_uninterrupted
     assert finished_backups(model_dir) == {"chief-0": [(STEPS, True)]}  # The gone tasks' went at the end.
 
 
+@pytest.mark.slow  # 45 s: make soak. make test resizes 2-1-2 and grows onto an empty disk (a holder slow to load).
 def test_a_grow_from_two_workers_to_three_the_new_one_on_an_empty_disk(tmp_path):
     """Preempted on 2 workers with their own disks inside the epoch, resumed on 3: worker:2's
     disk is empty, it gets the step and the state from worker:0 over the collective, while

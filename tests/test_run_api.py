@@ -223,3 +223,126 @@ def test_a_second_fit_writes_checkpoints_of_its_own_names(tmp_path):
         written.load_weights(folder / name)
         assert all(np.array_equal(a, b) for a, b in zip(written.get_weights(), expected)), name
     assert not all(np.array_equal(a, b) for a, b in zip(*stages))  # The second fit trained on.
+
+
+def test_steps_per_execution_on_a_dataset_runs_keras_steps_and_batches(tmp_path):
+    """Issue 60 item 4: `compile(steps_per_execution=4)`, a `tf.data.Dataset` of 10 batches,
+    2 epochs. Plain Keras ends each epoch's last execution when the data ends: 20 steps. The
+    run fed one endless iterator with `steps_per_epoch=10`, whose executions ran past the
+    epochs' ends: 24 steps, other batches, other weights. Now each epoch is one pass of the
+    dataset, as in Keras (reshuffled by its own seed each epoch): the same iterations, History
+    and weights bit for bit."""
+    x = np.arange(120, dtype="float32").reshape(40, 3) / 120
+    y = x.sum(1, keepdims=True)
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse", steps_per_execution=4)
+        return model
+
+    def dataset():
+        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(40, seed=3).batch(4)
+
+    plain = build()
+    expected = plain.fit(dataset(), epochs=2, shuffle=False, verbose=0)  # (The dataset shuffles itself.)
+    run = distrib_tf.Run(tmp_path / "run", seed=0, exit_on_error=False)
+    with run.strategy.scope():
+        model = build()
+    history = run.fit(model, dataset(), epochs=2, verbose=0)
+    run.end()
+    assert int(model.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy()) == 20
+    assert history.history == expected.history and history.epoch == expected.epoch == [0, 1]
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+LOCAL_SGD_AFTER = """
+import json, sys, keras, numpy as np, distrib_tf
+run = distrib_tf.Run(sys.argv[1], sync="every:2", strategy="mirrored", cpu_replicas=2, exit_on_error=False)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(32, 3)).astype("float32")
+y = x @ np.array([[1.0], [-2.0], [0.5]], "float32")
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+ours = sorted(name for name in vars(model.optimizer) if "distrib_tf" in name)
+run.end()
+model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # Plain Keras's fit, on the run's model.
+strategy = model.distribute_strategy
+spread = max(float(np.abs(parts[0].numpy() - parts[1].numpy()).max())
+             for parts in (strategy.experimental_local_results(w.value) for w in model.weights))
+print(json.dumps({"ours": ours, "spread": spread}))
+"""
+
+
+def test_after_a_periodic_sync_fit_the_optimizer_all_reduces_again(tmp_path):
+    """Issue 60 item 11: `sync="every:2"` made the optimizer skip its gradient all-reduce (each
+    replica its own step) and left it so after `fit`: a later plain Keras `fit` of the model
+    trained the two replicas apart. Now nothing of the run stays on the optimizer, and the
+    plain fit keeps the replicas' weights equal, bit for bit."""
+    result = subprocess.run([sys.executable, "-c", LOCAL_SGD_AFTER, str(tmp_path / "run")], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT})
+    assert result.returncode == 0, result.stderr[-3000:]
+    after = json.loads(result.stdout.splitlines()[-1])
+    assert after == {"ours": [], "spread": 0.0}, after
+
+
+class _ReadsInfOnce:
+    """Rows `x, y` as a random-access source; row `bad` reads Inf the first time (a bad read)."""
+
+    def __init__(self, x, y, bad):
+        self.x, self.y, self.bad, self.read_bad = x, y, bad, False
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        if i == self.bad and not self.read_bad:
+            self.read_bad = True
+            return np.full_like(self.x[i], np.inf), self.y[i]
+        return self.x[i], self.y[i]
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class _MySchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """A user's own schedule: distrib_tf cannot halve it in Keras's terms."""
+
+    def __call__(self, step):
+        return 0.1 / (1.0 + keras.ops.cast(step, "float32"))
+
+    def get_config(self):
+        return {}
+
+
+def test_after_a_rollback_the_users_model_save_loads_in_plain_keras(tmp_path, capsys):
+    """Issue 60 item 11: a rollback under a schedule left distrib_tf's `Scaled` on the user's
+    optimizer, so their own `model.save` needed distrib_tf to load. Now a Keras schedule is
+    halved in Keras's terms (CosineDecay from 0.05 instead of 0.1: what the rollback trained
+    on), which plain Keras loads in a fresh process; the user's own schedule comes back as
+    made, and one line says the halving is not kept."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 3)).astype("float32")
+    y = (x @ np.array([1.0, -2.0, 0.5], "float32"))[:, None]
+    with distrib_tf.Run(tmp_path / "run", on_nan="rollback", backup_every_steps=2, exit_on_error=False) as run:
+        models = []
+        for schedule in [keras.optimizers.schedules.CosineDecay(0.1, decay_steps=8), _MySchedule()]:
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
+            model.fit(distrib_tf.data.from_source(_ReadsInfOnce(x, y, bad=16)), global_batch_size=8, epochs=2,
+                      shuffle=False, verbose=0)  # Row 16: step 3; rolled back to step 2.
+            assert [r["at_step"] for r in run.summary["rollbacks"]] == [3]
+            models.append(model)
+    path = str(tmp_path / "mine.keras")
+    models[0].save(path)  # The user's own save.
+    code = ("import sys, keras; m = keras.saving.load_model(sys.argv[1]); "
+            "assert not [n for n in sys.modules if n.startswith('distrib_tf')]; "
+            "c = m.optimizer.get_config()['learning_rate']; "
+            "print(c['class_name'], c['config']['initial_learning_rate'])")
+    loaded = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert loaded.returncode == 0 and loaded.stdout.split() == ["CosineDecay", "0.05"], loaded.stderr[-3000:]
+    said = capsys.readouterr().out
+    assert said.count("Rolled back to step 2") == 2, said
+    assert "chief:0: the rollbacks trained on 0.5 of the learning rate of _MySchedule, not one of Keras's" in said
+    assert type(models[1].optimizer._learning_rate) is _MySchedule  # pylint: disable=protected-access

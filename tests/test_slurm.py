@@ -189,6 +189,7 @@ def _preempted_step(prefix, srun_args, train, *, name, marker) -> int:
     return int(saved.pop()[1])
 
 
+@pytest.mark.engines  # make test-engines (50 s), on the one-node Slurm.
 @pytest.mark.multiworker
 def test_a_preemption_under_srun_saves_on_every_task_and_exits_75(tmp_path):
     """Issue 33 item 5, played on the one-node Slurm: SIGTERM to every task of a running step

@@ -20,9 +20,12 @@ from distrib_tf.experiments import sweep
 from distrib_tf.experiments import sweep_engines
 from distrib_tf.experiments import sweep_promotion
 from distrib_tf.experiments import sweep_space
+from distrib_tf.launch import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
-ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT}
+# New interpreters, not forks (`conftest.py`): the tests find a trial's tasks in /proc by their
+# command line and environment, which a forked task does not show (it shows its server's).
+ENV = {**os.environ, **QUIET_TF, "PYTHONPATH": ROOT, forkserver.FORKSERVER_ENV: ""}
 SPEC = os.path.join(ROOT, "cluster_specs", "local_2workers.json")
 SWEEP = "distrib_tf.experiments.sweep"
 SCRIPT = os.path.join(ROOT, "tests", "workers", "swept_script.py")
@@ -57,6 +60,7 @@ def _end(trial_dir, task="worker_0") -> dict:
         return json.load(f)
 
 
+@pytest.mark.slow  # 95 s: make soak. make test prunes a user's script through the study (test_sweep_storage.py).
 @pytest.mark.multiworker
 def test_a_users_script_swept_on_two_workers_with_a_pruner(tmp_path):
     """A grid in the order written: two trials that learn, then two with a learning rate of 0
@@ -196,6 +200,7 @@ def next_trial_events(sweep_dir, timeout: float = 60) -> str:
     return found[0]
 
 
+@pytest.mark.slow  # 130 s: make soak. make test resumes a trial exactly (sigkilled sweep) and pauses by the ladder.
 @pytest.mark.multiworker
 def test_successive_halving_promotes_a_paused_trial_from_its_backup_exactly(tmp_path):
     """ASHA with promotion (rungs at epochs 1 and 2 of 4, half go on): every trial is paused at

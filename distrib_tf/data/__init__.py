@@ -7,18 +7,21 @@
 - `pipeline`: `make_dataset_fn`, the three together for `tf.distribute`;
 - `examples`: any user's data read by id (`from_arrays`, `from_source`, `from_images`,
   `load`), and the `tf.data` escape hatch (`from_dataset_fn`): what `distrib_tf.Run` trains on;
+- `batches`: Keras's batched inputs as Keras's `fit` reads them (`from_dataset`,
+  `from_py_dataset`, `from_generator`);
 - `records`, `prepare`: ArrayRecord shards on disk, and `python -m distrib_tf.data prepare`.
 """
 
+from distrib_tf.data.batches import from_dataset
+from distrib_tf.data.batches import from_generator
+from distrib_tf.data.batches import from_py_dataset
 from distrib_tf.data.cli import main
 from distrib_tf.data.examples import Batches
 from distrib_tf.data.examples import DatasetFn
 from distrib_tf.data.examples import Examples
 from distrib_tf.data.examples import from_arrays
-from distrib_tf.data.examples import from_dataset
 from distrib_tf.data.examples import from_dataset_fn
 from distrib_tf.data.examples import from_images
-from distrib_tf.data.examples import from_py_dataset
 from distrib_tf.data.examples import from_source
 from distrib_tf.data.examples import load
 from distrib_tf.data.pipeline import make_dataset_fn

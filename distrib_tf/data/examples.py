@@ -37,7 +37,6 @@ import tensorflow as tf
 
 from distrib_tf.data import readers
 from distrib_tf.data import registry
-from distrib_tf.data import replay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,24 +91,29 @@ class Batches:
     `keras.utils.PyDataset`), an epoch one pass over them.
 
     Attributes:
-        batches: `batches(start_step, endless)`: the batches from global step `start_step`
-            on, to the end of its epoch or without end.
-        steps_per_epoch_: batches an epoch.
+        batches: `batches(start_step, endless, seed=None)`: the batches from global step
+            `start_step` on, to the end of its epoch or without end; in an order keyed by
+            `seed` and the epoch where it reorders batches (`shuffle`), else `seed` unused.
+        steps_per_epoch_: batches an epoch; `None` for data read as it is, to its end
+            each time (a validation set of unknown length, as Keras reads it).
         name: for messages.
         skips: its resume reads and drops the batches before `start_step` (exact only when
             they come again alike); else it reads batch `i` by index.
         batch_size_: the global batch, where known without reading a batch.
         unreplayable: its draws that follow threads' order (`replay.unreplayable`).
+        note: one line for the user, said once where the run starts to train on it (what
+            reading it costs, or a guarantee it cannot have).
     """
 
     batches: Callable
-    steps_per_epoch_: int
+    steps_per_epoch_: int | None
     name: str
     skips: bool
     batch_size_: int | None = None
     unreplayable: tuple = ()
+    note: str = ""
 
-    def steps_per_epoch(self, global_batch_size: int) -> int:  # pylint: disable=unused-argument
+    def steps_per_epoch(self, global_batch_size: int) -> int | None:  # pylint: disable=unused-argument
         return self.steps_per_epoch_
 
     def batch_size(self) -> int:
@@ -118,70 +122,6 @@ class Batches:
         if self.batch_size_ is not None:
             return self.batch_size_
         return int(tf.nest.flatten(next(iter(self.batches(0, False))))[0].shape[0])
-
-
-def from_dataset(dataset: tf.data.Dataset, *, steps_per_epoch: int | None = None) -> Batches:
-    """A batched `tf.data.Dataset`, as Keras's `fit(dataset)` takes it. Its resume replays
-    `dataset.repeat()` from its start in a fresh process, dropping the batches before
-    `start_step`: exact when every iterator a run makes of it comes in the same order
-    (`distrib_tf.data.replay`) and its randomness is seeded.
-
-    Raises:
-        ValueError: its number of batches is unknown or infinite and `steps_per_epoch`
-            is not given.
-    """
-    if steps_per_epoch is None:
-        cardinality = int(dataset.cardinality())
-        if cardinality < 1:
-            raise ValueError("Invalid value for argument `x`. Received: a tf.data.Dataset of "
-                             f"{'infinite' if cardinality == tf.data.INFINITE_CARDINALITY else 'unknown'} "
-                             "length. Expected `steps_per_epoch` with it (or a dataset of known length).")
-        steps_per_epoch = cardinality
-
-    def batches(start_step: int, endless: bool) -> tf.data.Dataset:
-        if endless:
-            return dataset.repeat().skip(start_step)
-        return dataset.repeat().skip(start_step).take(steps_per_epoch - start_step % steps_per_epoch)  # Epoch's rest.
-
-    return Batches(batches, steps_per_epoch, "a tf.data.Dataset", skips=True,
-                   batch_size_=replay.batch_size(dataset), unreplayable=tuple(replay.unreplayable(dataset)))
-
-
-def from_py_dataset(py_dataset: Any) -> Batches:
-    """A `keras.utils.PyDataset` (anything with `__len__` and `__getitem__(i)` giving batch
-    `i` as `x`, `(x, y)` or `(x, y, sample_weight)`), read by index: a resume at step `s`
-    reads batch `s mod len` after calling `on_epoch_end()` once per epoch before it, as
-    Keras calls it after every epoch. Exact when `on_epoch_end` is deterministic (a
-    shuffle seeded by the epoch is). Batches are read one at a time, in order.
-    """
-    size = len(py_dataset)
-    if size < 1:
-        raise ValueError(f"Invalid value for argument `x`. Received: a {type(py_dataset).__name__} of {size} "
-                         "batches. Expected at least one.")
-    first = py_dataset[0]
-    flat = [np.asarray(a) for a in tf.nest.flatten(first)]
-    dtypes = [tf.as_dtype(a.dtype) for a in flat]
-    epochs_ended = [0]  # The on_epoch_end() calls so far (Keras's, as fit would have made them).
-
-    def fetch(step):
-        epoch, index = divmod(int(step), size)
-        while epochs_ended[0] < epoch:
-            if hasattr(py_dataset, "on_epoch_end"):
-                py_dataset.on_epoch_end()
-            epochs_ended[0] += 1
-        return [np.asarray(a, dtype=f.dtype) for a, f in zip(tf.nest.flatten(py_dataset[index]), flat)]
-
-    def read(step):
-        found = tf.numpy_function(fetch, [step], dtypes, stateful=True)
-        for tensor, array in zip(found, flat):
-            tensor.set_shape([None, *array.shape[1:]])
-        return tf.nest.pack_sequence_as(first, found)
-
-    def batches(start_step: int, endless: bool) -> tf.data.Dataset:
-        stop = tf.int64.max if endless else (start_step // size + 1) * size
-        return tf.data.Dataset.range(start_step, stop).map(read).prefetch(2)
-
-    return Batches(batches, size, type(py_dataset).__name__, skips=False)
 
 
 def from_dataset_fn(fn: Callable, *, steps_per_epoch: int) -> DatasetFn:

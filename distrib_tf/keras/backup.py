@@ -202,10 +202,11 @@ WRITER = Writer()
 atexit.register(WRITER.wait)  # A script's end waits for the backup in flight.
 
 
-def state_variables(model) -> list:
+def state_variables(model, others=()) -> list:
     """What a backup holds: every variable of the model (its `SeedGenerator`s' states
-    included, which `save_weights` leaves out) and of its optimizer, once each, in order."""
-    return list({id(v): v for v in [*model.variables, *model.optimizer.variables]}.values())
+    included, which `save_weights` leaves out), of its optimizer and of the optimizers it
+    holds besides (`others`: `distrib_tf.keras.held_optimizers.variables`), once each, in order."""
+    return list({id(v): v for v in [*model.variables, *model.optimizer.variables, *others]}.values())
 
 
 def describe_variables(variables) -> list:

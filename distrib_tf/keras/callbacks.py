@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from distrib_tf.keras import backup
+from distrib_tf.keras import steps as steps_lib
 from distrib_tf.keras import user_view
 
 logger = logging.getLogger("distrib_tf")
@@ -180,7 +181,7 @@ class ProfileSteps(keras.callbacks.Callback):
                            "where you can.", workers)
 
     def on_train_begin(self, logs=None):
-        self._step = int(self.model.optimizer.iterations.numpy())
+        self._step = steps_lib.iterations(self.model.optimizer)
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._step + 1 == self.first and not self._active:

@@ -9,7 +9,15 @@ fix needs a gate by TensorFlow version there) on TensorFlow breaks under
    values across workers; and the batch it takes is lost to training (under any
    strategy), so the first step trains on the data's second batch. Fixed by building
    from zeros shaped like one replica's batch (the iterator's `element_spec`): only
-   shapes and types matter, and no data is consumed.
+   shapes and types matter, and no data is consumed. A dimension the spec leaves unknown
+   is the one the model declares for that input (a Functional or Sequential model's
+   `inputs`), else 1: `timeseries_dataset_from_array` leaves the window's length unknown,
+   and a 1 there failed keras.io's weather forecast ("expected shape=(None, 48, 3), found
+   shape=(1, 1, 3)"). A model with no `call` (keras.io's DCGAN: a discriminator, a
+   generator and its own `train_step`) cannot be built from a batch, and Keras's build
+   under a strategy raises "Unable to automatically build the model" where Keras with no
+   strategy trains it: only `model.optimizer` is built, as that build would, and the
+   `train_step` builds the rest when traced, as with no strategy.
 2. `reduce_per_replica` reduces logs with `strategy.reduce("MEAN", v, axis=0)`, which
    fails on scalar logs, and `strategy.reduce("SUM", v)` misses its `axis`. Fixed by
    reducing across replicas element-wise (`axis=None`), what both mean, and all the
@@ -77,6 +85,23 @@ fix needs a gate by TensorFlow version there) on TensorFlow breaks under
    forever in that broadcast, which no other worker joins. Fixed by building them on a
    thread of their own, where no strategy scope is entered (scopes are per thread); the
    result is the same attribute names.
+12. An optimizer the model holds besides `model.optimizer` (keras.io's GANs: one for the
+   discriminator, one for the generator) is built by Keras at its first `apply_gradients`,
+   inside the traced step: with several replicas in one process (`MirroredStrategy`) its
+   variables are then made in a replica's thread, and the step fails ("You must feed a
+   value for placeholder tensor"; one replica a worker builds it well). Fixed there by
+   building it once, in a `merge_call`
+   out of the traced function (`tf.init_scope`), on the variables it is applied to,
+   where Keras builds `model.optimizer` (fix 1); its `apply_gradients` then runs as before.
+13. `gradient_accumulation_steps=k` fails at the first step under `MirroredStrategy` and
+   `MultiWorkerMirroredStrategy` (a RuntimeError: `BaseOptimizer._backend_apply_gradients`
+   calls `merge_call` inside its own `cond`). Fixed by all-reducing each step's gradients
+   and taking their mean with the accumulators' outside any `cond`, then, in one merge call,
+   each variable's update takes Keras's branch on its device: the accumulators hold the sum
+   of the all-reduced gradients (one value on every replica), every k-th step applies their
+   mean, clipped and with weight decay, as Keras does on one device. And `iterations` then
+   moves once per k batches (`_iterations // k`): `batches_taken` reads the optimizer's
+   own count of batches, which every step counter of distrib_tf counts.
 
 Each fix changes behaviour only in the case it names and otherwise calls the original.
 Their code is `distrib_tf.keras.compat_fixes`, each `fix(original, *args)` in the order
@@ -152,6 +177,10 @@ def _fixes():
         "trace_then_meet": [(_tf_trainer.TensorFlowTrainer, "_make_function", fixes.trace_then_meet)],
         "meet_before_reset": [(_base_trainer.Trainer, "reset_metrics", fixes.meet_before_reset)],
         "saving_outside_scope": [(_saving_lib, "get_attr_skipset", fixes.skipset_outside_scopes)],
+        "build_across_replicas": [
+            (_base_optimizer.BaseOptimizer, "apply_gradients", fixes.build_across_replicas)],
+        "accumulate_reduced": [
+            (_base_optimizer.BaseOptimizer, "_backend_apply_gradients", fixes.accumulate_reduced)],
         "tensorboard": [
             (callbacks.TensorBoard, "set_model", fixes.tensorboard_set_model),
             (callbacks.TensorBoard, "on_train_end", fixes.tensorboard_on_train_end),
@@ -201,6 +230,23 @@ def reverted(name: str):
     finally:
         for owner, attribute, fix in installed:
             _patch(owner, attribute, fix)
+
+
+def batches_taken(optimizer):
+    """The variable that counts the batches `optimizer` took (fix 13): its `iterations`
+    unless it accumulates gradients (then `iterations` is that count over k); a
+    `LossScaleOptimizer`'s inner optimizer's."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    if getattr(optimizer, "gradient_accumulation_steps", None) and is_tested_version():
+        return optimizer._iterations  # pylint: disable=protected-access
+    return optimizer.iterations
+
+
+def built_on(optimizer) -> list:
+    """The variables `optimizer` was built on (Keras keeps them, in the order its slots were
+    made, as `_trainable_variables`); a `LossScaleOptimizer`'s inner optimizer's."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    return list(optimizer._trainable_variables)  # pylint: disable=protected-access
 
 
 def _patch(owner, name, fix):

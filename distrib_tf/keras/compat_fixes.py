@@ -24,19 +24,60 @@ def is_chief(model) -> bool:
 
 # Fix 1.
 def maybe_symbolic_build(original, self, iterator=None, data_batch=None):
-    if self._distribute_strategy is None or iterator is None:  # pylint: disable=protected-access
+    if self._distribute_strategy is None:  # pylint: disable=protected-access
+        return original(self, iterator=iterator, data_batch=data_batch)
+    if type(self).call is keras.Model.call:
+        return build_optimizer_only(self)
+    if iterator is None:
         return original(self, iterator=iterator, data_batch=data_batch)
     spec = iterator._distributed_dataset.element_spec  # pylint: disable=protected-access
-    return original(self, data_batch=tf.nest.map_structure(zeros_like_spec, spec))
+    flat = tf.nest.flatten(spec)
+    zeros = [zeros_like_spec(s, d) for s, d in zip(flat, declared_input_shapes(self, spec))]
+    return original(self, data_batch=tf.nest.pack_sequence_as(spec, zeros))
 
 
-def zeros_like_spec(spec):
-    """One replica's batch of zeros: the shapes and types are all a build needs."""
+def build_optimizer_only(model) -> None:
+    """A model with no `call` (keras.io's GANs) has nothing to build from: as Keras with no
+    strategy, its own `train_step` builds what it uses when traced (fix 12 builds its other
+    optimizers); `model.optimizer` is built here, on every trainable variable, as Keras's
+    build under a strategy does."""
+    if model.optimizer is not None and not model.optimizer.built:
+        with model.distribute_strategy.scope():
+            model.optimizer.build(model.trainable_variables)
+
+
+def declared_input_shapes(model, spec) -> list:
+    """For each leaf of `spec` (an `(x, y, sample_weight)` batch's), the shape the model
+    declares for that input (a Functional or Sequential model's `inputs`), else None: a
+    dataset may leave a dimension unknown that the model knows (the window length of
+    `timeseries_dataset_from_array`)."""
+    x = spec[0] if isinstance(spec, tuple) and 1 <= len(spec) <= 3 else spec  # Keras's unpacking.
+    try:
+        inputs = list(model.inputs or ())
+    except AttributeError:  # A Sequential with no input yet; a subclassed model declares none.
+        inputs = []
+    flat_x = tf.nest.flatten(x)
+    if isinstance(x, dict) and len(flat_x) == len(x) and inputs and {i.name for i in inputs} <= x.keys():
+        named = {i.name: tuple(i.shape) for i in inputs}  # Keras matches a dict's keys to input names.
+        declared = [named.get(key) for key in sorted(x)]  # tf.nest's order.
+    elif len(flat_x) == len(inputs):
+        declared = [tuple(i.shape) for i in inputs]
+    else:
+        declared = [None] * len(flat_x)
+    return declared + [None] * (len(tf.nest.flatten(spec)) - len(flat_x))
+
+
+def zeros_like_spec(spec, declared=None):
+    """One replica's batch of zeros: the shapes and types are all a build needs. A dimension
+    `spec` leaves unknown is the model's `declared` one where it has one, else 1."""
     if isinstance(spec, tf.distribute.DistributedValues) or hasattr(spec, "_value_specs"):
         spec = spec._value_specs[0]  # pylint: disable=protected-access
     if isinstance(spec, NoneTensorSpec):  # An optional input passed as None.
         return None
-    zeros = tf.zeros([1 if d is None else d for d in spec.shape], spec.dtype)
+    shape = spec.shape
+    if declared is not None and shape.is_compatible_with(declared):
+        shape = shape.merge_with(declared)
+    zeros = tf.zeros([1 if d is None else d for d in shape], spec.dtype)
     if isinstance(spec, tf.RaggedTensorSpec):
         return tf.RaggedTensor.from_tensor(zeros, ragged_rank=spec.ragged_rank, row_splits_dtype=spec.row_splits_dtype)
     return zeros
@@ -271,3 +312,64 @@ def skipset_outside_scopes(original, obj_type):
         return original(obj_type)
     global_state.set_global_attribute(key, found[0])
     return found[0]
+
+
+# Fix 12.
+def build_across_replicas(original, self, grads_and_vars):
+    grads_and_vars = list(grads_and_vars)  # Often a zip: read once here.
+    if not self.built and tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context() and len(
+            tf.distribute.get_strategy().extended.worker_devices) > 1:  # Several replicas in this process.
+        variables = [variable for _, variable in grads_and_vars]
+
+        def build(_):
+            with tf.init_scope():  # Out of the traced step, as Keras's own build of `model.optimizer`.
+                self.build(variables)
+
+        tf.distribute.get_replica_context().merge_call(build)
+    return original(self, grads_and_vars)
+
+
+# Fix 13.
+def accumulate_reduced(original, self, grads, trainable_variables):
+    strategy = tf.distribute.get_strategy()
+    if (not self.gradient_accumulation_steps or not tf.distribute.has_strategy()
+            or tf.distribute.in_cross_replica_context() or isinstance(strategy, tf.distribute.OneDeviceStrategy)):
+        return original(self, grads, trainable_variables)
+    # Keras's arithmetic (`BaseOptimizer._backend_apply_gradients`) on the all-reduced gradients:
+    # the collective and the mean outside any `cond`, then one merge call, inside which each
+    # variable's own update takes the branch (no synchronization point in it).
+    reduced = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g, _ in
+               self._all_reduce_sum_gradients(zip(grads, trainable_variables))]
+    steps = self.gradient_accumulation_steps
+    accumulators = [self._accumulated_gradients[self._get_variable_index(v)] for v in trainable_variables]
+    means = self._clip_gradients([(g + a) / steps for g, a in zip(reduced, accumulators)])
+    is_update_step = (self._iterations + 1) % steps == 0
+    tf.__internal__.distribute.interim.maybe_merge_call(
+        functools.partial(_apply_or_accumulate, self), strategy, list(zip(trainable_variables, accumulators)),
+        reduced, means, self.learning_rate, is_update_step)
+    if self.use_ema:  # As Keras's, after the update.
+        self._update_model_variables_moving_average(self._trainable_variables)
+        if self.ema_overwrite_frequency:
+            tf.cond((self.iterations + 1) % self.ema_overwrite_frequency == 0,
+                    lambda: self._overwrite_model_variables_with_average_value(self._trainable_variables),
+                    lambda: None)
+
+
+def _apply_or_accumulate(optimizer, distribution, pairs, reduced, means, learning_rate, is_update_step):
+    """Each variable, on each device: Keras's update step with the mean of the accumulated
+    gradients (weight decay first), the accumulator zeroed; or the gradient accumulated."""
+    def update(var, grad, mean, rate, update_now, accumulator):
+        def apply():
+            if optimizer.weight_decay is not None and optimizer._use_weight_decay(var):
+                var.assign_sub(var * tf.cast(optimizer.weight_decay, var.dtype) * tf.cast(rate, var.dtype))
+            optimizer.update_step(mean, var, rate)
+            optimizer.assign(accumulator, tf.zeros(accumulator.shape, accumulator.dtype))
+
+        def accumulate():
+            optimizer.assign(accumulator, accumulator + grad)
+        tf.cond(update_now, apply, accumulate)
+
+    for (var, accumulator), grad, mean in zip(pairs, reduced, means):
+        var = var.value if isinstance(var, keras.Variable) else var
+        distribution.extended.update(var, update, args=(grad, mean, learning_rate, is_update_step),
+                                     kwargs={"accumulator": accumulator}, group=False)

@@ -40,6 +40,7 @@ Example, a Keras user's own model:
 """
 
 import functools
+import weakref
 
 import keras
 import numpy as np
@@ -48,9 +49,32 @@ import tensorflow as tf
 from distrib_tf.keras import compat
 from distrib_tf.keras import steps as steps_lib
 
-_MODE = "_distrib_tf_gradients"  # On an optimizer: "local", a dtype name, or absent.
-_CLOCK = "_distrib_tf_clock"  # On an optimizer: a float64 variable adding up all-reduce waits, or absent.
-_RIDER = "_distrib_tf_rider"  # On an optimizer: what else travels in its gradients' pack, or absent.
+# What distrib_tf asks of each optimizer's gradient all-reduce, beside the optimizer (nothing
+# of it is written to the optimizer): "mode" ("local", a dtype name), "clock" (a float64
+# variable adding up all-reduce waits), "rider" (what else travels in its gradients' pack).
+_ASKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _asked(optimizer, key: str):
+    """What `optimizer`'s all-reduce is asked for `key`, or `None`."""
+    return _ASKED.get(optimizer, {}).get(key)
+
+
+def _ask(optimizer, key: str, value) -> None:
+    """Asks `optimizer`'s all-reduce (and a LossScaleOptimizer's inner one's) for `key`;
+    `None` takes it back."""
+    for each in _inner_optimizers(optimizer):
+        if value is None:
+            _ASKED.get(each, {}).pop(key, None)
+        else:
+            _ASKED.setdefault(each, {})[key] = value
+
+
+def release(optimizer) -> None:
+    """Takes back everything asked of `optimizer`'s all-reduce: it all-reduces its gradients
+    as Keras does, from its next trace on (a `Run.fit` ends with it)."""
+    for each in _inner_optimizers(optimizer):
+        _ASKED.pop(each, None)
 
 
 class UnsupportedKeras(RuntimeError):
@@ -83,7 +107,7 @@ def _install(required: bool = True) -> bool:
         return keras_all_reduce(self, grads_and_vars[::-1])[::-1]
 
     def reduce(self, grads_and_vars):
-        mode = getattr(self, _MODE, None)
+        mode = _asked(self, "mode")
         if mode is None:
             return original(self, grads_and_vars)
         if mode == "local":  # Undo Keras's division of each replica's loss by the replica count.
@@ -97,8 +121,8 @@ def _install(required: bool = True) -> bool:
         if tf.distribute.get_replica_context() is None:
             return keras_all_reduce(self, grads_and_vars)
         grads_and_vars = list(grads_and_vars)
-        clock = getattr(self, _CLOCK, None)
-        rider = getattr(self, _RIDER, None) if getattr(self, _MODE, None) is None else None
+        clock = _asked(self, "clock")
+        rider = _asked(self, "rider") if _asked(self, "mode") is None else None
         cargo = rider.board(grads_and_vars) if rider is not None else None
         reduced = reduce(self, grads_and_vars + ([(cargo, None)] if cargo is not None else []))
         if cargo is not None:
@@ -147,11 +171,7 @@ def time_all_reduce(optimizer, clock) -> None:
     """
     if not _install(required=False):
         return
-    for each in _inner_optimizers(optimizer):
-        if clock is None:
-            each.__dict__.pop(_CLOCK, None)
-        else:  # Past __setattr__: the optimizer would track the variable and save it.
-            each.__dict__[_CLOCK] = clock
+    _ask(optimizer, "clock", clock)
 
 
 def carry_with_gradients(optimizer, rider) -> bool:
@@ -162,8 +182,7 @@ def carry_with_gradients(optimizer, rider) -> bool:
     Returns False on a Keras distrib_tf was not tested with (nothing is carried)."""
     if not _install(required=False):
         return False
-    for each in _inner_optimizers(optimizer):
-        each.__dict__[_RIDER] = rider  # Past __setattr__: the optimizer would track it.
+    _ask(optimizer, "rider", rider)
     return True
 
 
@@ -175,7 +194,7 @@ def _inner_optimizers(optimizer):
 
 def compress_gradients(optimizer, dtype: str) -> None:
     """Makes `optimizer` all-reduce gradients in `dtype` (`"float32"` restores it)."""
-    if dtype == "float32" and not any(hasattr(each, _MODE) for each in _inner_optimizers(optimizer)):
+    if dtype == "float32" and not any(_asked(each, "mode") for each in _inner_optimizers(optimizer)):
         return
     if dtype == "float16" and isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         raise ValueError(
@@ -183,11 +202,7 @@ def compress_gradients(optimizer, dtype: str) -> None:
             "LossScaleOptimizer. Expected 'bfloat16' or 'float32': its loss-scaled gradients, "
             "summed in float16 after its finite check, can overflow where nothing sees it.")
     _install()
-    for each in _inner_optimizers(optimizer):
-        if dtype == "float32":
-            each.__dict__.pop(_MODE, None)
-        else:
-            setattr(each, _MODE, dtype)
+    _ask(optimizer, "mode", None if dtype == "float32" else dtype)
 
 
 class PeriodicSync(keras.callbacks.Callback):
@@ -228,8 +243,7 @@ class PeriodicSync(keras.callbacks.Callback):
     def set_model(self, model):
         super().set_model(model)
         _install()
-        for each in _inner_optimizers(model.optimizer):
-            setattr(each, _MODE, "local")
+        _ask(model.optimizer, "mode", "local")
 
     def _averaged(self) -> list[np.ndarray]:
         """Every weight of the model averaged over all replicas (one all-reduce)."""

@@ -37,6 +37,7 @@ Example:
 
 import contextlib
 import math
+import sys
 import weakref
 
 import keras
@@ -104,35 +105,46 @@ class NonFiniteReplicas(keras.metrics.Metric):
 
 
 _ATTACHED = weakref.WeakKeyDictionary()  # Model -> its attached metric: not an attribute, which saving walks.
+_BEFORE = weakref.WeakKeyDictionary()  # Model -> what its instance held of `_WRAPPED` before `attach`.
+_WRAPPED = ("compute_metrics", "get_metrics_result")
+_STEPS = {"train_step": "train", "tf__train_step": "train", "test_step": "test", "tf__test_step": "test"}
 
 
 def attach(model) -> NonFiniteReplicas:
-    """Adds a `NonFiniteReplicas` to the steps of the compiled `model`, logged as
+    """Adds a `NonFiniteReplicas` to the training steps of the compiled `model`, logged as
     `nonfinite_replicas`; returns it (the model's own if it has one already).
 
     It wraps the model's `compute_metrics` on this instance only and is not in its compile
-    configuration, so a saved model names nothing of distrib_tf. The step functions are
-    traced again on their next call.
+    configuration, so a saved model names nothing of distrib_tf. Its test steps, and so an
+    `evaluate`, log what Keras logs. The step functions are traced again on their next call.
     """
     found = find_metric(model)
     if found is not None:
         return found
     with model.distribute_strategy.scope():  # Per-replica variables, like a compiled metric's.
         metric = NonFiniteReplicas()
-    compute = model.compute_metrics
+    compute, results = model.compute_metrics, model.get_metrics_result
+    logged = []  # Not empty once a training step's logs hold the metric (when it is traced).
 
     def compute_metrics(x, y, y_pred, sample_weight=None):
         logs = compute(x, y, y_pred, sample_weight=sample_weight)
+        if _step_being_run() != "train":
+            return logs
         metric.update_state(y, y_pred)
+        logged.append(True)
         return {**logs, METRIC: metric.result()}
 
-    results = model.get_metrics_result
-
     def get_metrics_result():
-        # The step's keys: Keras then ends an epoch and an evaluate on the metrics' own results,
-        # summed over the replicas, not on the last step's logs (their per-replica means).
-        return {**results(), METRIC: metric.result()}
+        # Keras ends an epoch on the metrics' own results, summed over the replicas, only where
+        # their keys are the step's; else on the last step's logs (their per-replica means).
+        # So the metric is among them there, and only where the training step logs it.
+        caller = sys._getframe(1)  # pylint: disable=protected-access
+        if logged and caller.f_code.co_name == "_get_metrics_result_or_logs" and \
+                caller.f_back.f_code.co_name == "fit":
+            return {**results(), METRIC: metric.result()}
+        return results()
 
+    _BEFORE[model] = {name: model.__dict__.get(name) for name in _WRAPPED}  # Set on the instance, if any.
     object.__setattr__(model, "compute_metrics", compute_metrics)  # Past Keras's tracking.
     object.__setattr__(model, "get_metrics_result", get_metrics_result)
     _ATTACHED[model] = metric
@@ -140,11 +152,23 @@ def attach(model) -> NonFiniteReplicas:
     return metric
 
 
+def _step_being_run() -> str | None:
+    """"train" or "test": which of Keras's steps (a model's `train_step`, `test_step`) the
+    caller runs inside, the innermost; `None` outside both (a symbolic build)."""
+    frame = sys._getframe(2)  # pylint: disable=protected-access
+    while frame is not None and frame.f_code.co_name not in _STEPS:
+        frame = frame.f_back
+    return None if frame is None else _STEPS[frame.f_code.co_name]
+
+
 def detach(model) -> None:
     """Takes `attach`'s metric off `model` again: its steps log what the user compiled."""
     if _ATTACHED.pop(model, None) is not None:
-        model.__dict__.pop("compute_metrics", None)
-        model.__dict__.pop("get_metrics_result", None)
+        for name, own in _BEFORE.pop(model, {}).items():
+            if own is None:
+                model.__dict__.pop(name, None)
+            else:
+                object.__setattr__(model, name, own)
         model.train_function = model.test_function = model.predict_function = None
 
 

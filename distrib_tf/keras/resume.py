@@ -40,6 +40,7 @@ import tensorflow as tf
 
 from distrib_tf import events
 from distrib_tf.keras import backup
+from distrib_tf.keras import held_optimizers
 from distrib_tf.keras import phases
 
 _JOB_CODES = {"chief": 0, "worker": 1}
@@ -77,8 +78,8 @@ def hold(directory: str, *, wait_seconds: float = 120.0) -> int:
 
 
 def load_state(model, path: str, meta: dict) -> None:
-    """Restores a backup's variables into `model` (and its optimizer, built)."""
-    variables = backup.state_variables(model)
+    """Restores a backup's variables into `model` (and its optimizers, built)."""
+    variables = _state_variables(model, meta)
     held = meta["variables"]
     mine = backup.describe_variables(variables)  # Matched by order, type and shape (as `load_weights` does):
     if [h[1:] for h in held] != [m[1:] for m in mine]:  # a model built again gets other names.
@@ -90,6 +91,15 @@ def load_state(model, path: str, meta: dict) -> None:
         for variable, (_, dtype, shape) in zip(variables, held):
             count = int(np.prod(shape))
             variable.assign(np.fromfile(f, dtype=np.dtype(dtype), count=count).reshape(shape))
+
+
+def _state_variables(model, meta: dict) -> list:
+    """The variables a backup with metadata `meta` holds, in its order; the optimizers it
+    names that the model holds besides `model.optimizer` are built first (where Keras builds
+    them at their first step: on a GAN, inside it)."""
+    held = meta.get("optimizers") or []
+    held_optimizers.build(model, held)
+    return backup.state_variables(model, held_optimizers.variables(model, held))
 
 
 def seed_states(model) -> list:
@@ -217,42 +227,49 @@ def decide(rows: np.ndarray) -> int:
 
 def share_state(model, *, rows: np.ndarray, row: np.ndarray, step: int, meta: dict | None) -> dict:
     """Gives the state of `step` to every worker that cannot read it, from the first replica
-    that did (the source): every variable of the model and its optimizer, and the backup's
-    metadata, in one all-reduce, in float64, where only the source replica adds its values
-    (exact: x + 0 is x, and float32, integer counts below 2**53 and bytes pass through
-    float64 unchanged). Returns the metadata (this worker's own when it holds the step).
+    that did (the source): the backup's metadata, then every variable it names (the model's,
+    its optimizer's, the optimizers it holds besides: built first from the metadata), each in
+    one all-reduce, in float64, where only the source replica adds its values (exact: x + 0 is
+    x, and float32, integer counts below 2**53 and bytes pass through float64 unchanged).
+    Returns the metadata (this worker's own when it holds the step).
 
     Every worker calls it at the same point with the same `rows` (one per replica) and its
     own `row`, the holders once their backup is loaded; all meet at a barrier first, so that
     a collective timeout does not run while a holder still loads a large model. Every
-    worker's tensor has one shape: the metadata's part is the source's length everywhere
+    worker's tensor has one shape: the metadata's is the source's length everywhere
     (`_metadata_sent`), whatever the other holders' own metadata hold.
     """
     holders = [r for r, each in enumerate(rows) if each[3] == step]
     if len(holders) == len(rows):
         return meta
     strategy, source = model.distribute_strategy, holders[0]
-    variables = backup.state_variables(model)
     encoded = _metadata_sent(rows, row, source=source, meta=meta)
     phases.enter(strategy, "state_loaded")
-
-    @tf.function
-    def summed():
-        def replica_fn():
-            context = tf.distribute.get_replica_context()
-            flat = tf.concat([tf.reshape(tf.cast(v.value, tf.float64), [-1]) for v in variables]
-                             + [tf.constant(encoded)], 0)
-            mine = tf.equal(context.replica_id_in_sync_group, source)
-            return context.all_reduce("SUM", tf.where(mine, flat, tf.zeros_like(flat)))
-        return strategy.run(replica_fn)
-
-    flat = strategy.experimental_local_results(summed())[0].numpy()
+    sent = json.loads(_from_source(strategy, source, lambda: [tf.constant(encoded)]).astype(np.uint8).tobytes())
+    variables = _state_variables(model, sent)
+    flat = _from_source(strategy, source, lambda: [v.value for v in variables])
     offset = 0
     for variable in variables:
         size = int(np.prod(variable.shape))
         variable.assign(flat[offset:offset + size].reshape(variable.shape).astype(variable.dtype))
         offset += size
     if meta is None:
-        meta = json.loads(flat[offset:].astype(np.uint8).tobytes())
+        meta = sent
         events.emit("state_received", step=step)
     return meta
+
+
+def _from_source(strategy, source: int, values) -> np.ndarray:
+    """The tensors `values()` gives on replica `source` (read in each replica's context), flat in
+    float64, on every replica: one all-reduce to which every other replica adds zeros."""
+
+    @tf.function
+    def summed():
+        def replica_fn():
+            context = tf.distribute.get_replica_context()
+            flat = tf.concat([tf.reshape(tf.cast(v, tf.float64), [-1]) for v in values()], 0)
+            mine = tf.equal(context.replica_id_in_sync_group, source)
+            return context.all_reduce("SUM", tf.where(mine, flat, tf.zeros_like(flat)))
+        return strategy.run(replica_fn)
+
+    return strategy.experimental_local_results(summed())[0].numpy()

@@ -27,6 +27,7 @@ Example:
     >>> carry(model)  # What `distrib_tf.Run.fit` does under `sync="step"` on several workers.
 """
 
+import inspect
 import threading
 import weakref
 
@@ -37,7 +38,8 @@ from distrib_tf.keras import compat_fixes
 from distrib_tf.keras import local_sgd
 from distrib_tf.keras import nonfinite
 
-_CARRIED = weakref.WeakKeyDictionary()  # Model -> its _Rider.
+_CARRIED = weakref.WeakKeyDictionary()  # Model -> what its instance held of `_WRAPPED` before `carry`.
+_WRAPPED = ("compute_loss", "compute_metrics")
 
 
 class _Rider(threading.local):
@@ -97,30 +99,35 @@ def carry(model) -> bool:
     if not local_sgd.carry_with_gradients(optimizer, rider):
         return False
     compute_loss = model.compute_loss
+    # Keras passes `training` only to a `compute_loss` that takes it (`Trainer._compute_loss`;
+    # keras.io's `Distiller` has none), and so does this one: it gets what it gets in Keras.
+    takes_training = "training" in inspect.signature(compute_loss).parameters
 
-    def compute_loss_(x=None, y=None, y_pred=None, sample_weight=None, training=True):
+    def compute_loss_(x=None, y=None, y_pred=None, sample_weight=None, training=True, **kwargs):
         rider.begin(x, y, y_pred, sample_weight, training and tf.distribute.in_cross_replica_context() is False)
-        return compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+        if takes_training:
+            kwargs["training"] = training
+        return compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, **kwargs)
 
     def compute_metrics(x, y, y_pred, sample_weight=None):
         return rider.end(x, y, y_pred, sample_weight)
 
+    before = {name: model.__dict__.get(name) for name in _WRAPPED}  # Set on the instance before, if any.
     object.__setattr__(model, "compute_loss", compute_loss_)  # Past Keras's tracking, this instance only.
     object.__setattr__(model, "compute_metrics", compute_metrics)
-    _CARRIED[model] = rider
+    _CARRIED[model] = before
     model.train_function = model.test_function = None
     return True
 
 
-
 def release(model) -> None:
     """Undoes `carry(model)`: its steps compute their logs as Keras does."""
-    rider = _CARRIED.pop(model, None)
-    if rider is None:
+    before = _CARRIED.pop(model, None)
+    if before is None:
         return
-    del model.__dict__["compute_loss"]
-    if getattr(rider.compute_metrics, "__self__", None) is model:  # Keras's own method.
-        del model.__dict__["compute_metrics"]
-    else:  # What it was before `carry` (`nonfinite.attach`'s).
-        object.__setattr__(model, "compute_metrics", rider.compute_metrics)
+    for name, own in before.items():  # Keras's method again, or what the instance held (`nonfinite.attach`'s).
+        if own is None:
+            model.__dict__.pop(name, None)
+        else:
+            object.__setattr__(model, name, own)
     model.train_function = model.test_function = None

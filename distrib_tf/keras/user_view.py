@@ -29,6 +29,7 @@ Example:
     ...         self.batches = state["batches"]
 """
 
+import copy
 import math
 
 import keras
@@ -119,11 +120,12 @@ def _opted_in(callback) -> bool:
 
 def callback_states(callbacks) -> list:
     """Each callback's `[class name, state]` (`get_state()`, or Keras's own attributes; a
-    state `None` where it has none): what a backup holds."""
+    state `None` where it has none): what a backup holds. A copy: the backup is written in
+    the background, and a state may hold the callback's own lists, which go on changing."""
     states = []
     for callback in callbacks:
         if _opted_in(callback):
-            state = callback.get_state()
+            state = copy.deepcopy(callback.get_state())
         else:
             names = next((names for kind, names in KERAS_STATES if isinstance(callback, kind)), ())
             state = {n: _float(getattr(callback, n)) for n in names if getattr(callback, n, None) is not None} or None
@@ -191,11 +193,14 @@ def set_callback_arrays(callbacks, arrays: dict | None, task: str, states=None) 
 class Segments(keras.callbacks.CallbackList):
     """The user's callbacks across the `fit` calls that make one stage (a resumed partial
     epoch, then the rest; a rollback): `on_train_begin` before the first, then the state
-    they held at the step resumed (`states`), `on_train_end` after the last."""
+    they held at the step resumed (`states`), `on_train_end` after the last. They see the
+    user's `fit`'s `params` (`epochs`, `steps` an epoch, `verbose`), not an inner fit's,
+    and a resumed epoch's batches numbered from the step it resumed at (`skipped`)."""
 
-    def __init__(self, callbacks, model, states=None, arrays=None, task="chief:0"):
+    def __init__(self, callbacks, model, states=None, arrays=None, task="chief:0", params=None):
         super().__init__(list(callbacks), add_history=False, add_progbar=False, model=model)
         self.first, self.last, self.states, self.arrays, self.task = True, False, states, arrays, task
+        self.users_params, self.skipped = params, 0
 
     def set_model(self, model):
         """Once a model: each `fit` of the stage calls it, and a callback's `set_model` may
@@ -203,13 +208,33 @@ class Segments(keras.callbacks.CallbackList):
         if model is not getattr(self, "_model", None):
             super().set_model(model)
 
+    def set_params(self, params):
+        """The user's `fit`'s `params`, whichever inner fit gives its own."""
+        super().set_params({**(params or {}), **(getattr(self, "users_params", None) or {})})  # (None in __init__.)
+
+    def restore(self) -> None:
+        """The callbacks' state at the step resumed, once: at the stage's first `fit`, or
+        alone for a stage that came back finished (no `fit` ran: they hold the finished
+        run's state, as after Keras's `fit`)."""
+        if not self.first:
+            return
+        self.first = False
+        if self.users_params:
+            self.set_params({})
+        set_callback_states(self.callbacks, self.states)
+        if self.states:
+            set_callback_arrays(self.callbacks, self.arrays, self.task, self.states)
+
     def on_train_begin(self, logs=None):
         if self.first:
-            self.first = False
             super().on_train_begin(logs)
-            set_callback_states(self.callbacks, self.states)
-            if self.states:
-                set_callback_arrays(self.callbacks, self.arrays, self.task, self.states)
+            self.restore()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        super().on_train_batch_begin(batch + self.skipped, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch + self.skipped, logs)
 
     def on_train_end(self, logs=None):
         if self.last:

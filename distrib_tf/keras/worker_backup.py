@@ -2,8 +2,10 @@
 state at epoch ends, every `every_steps` steps and when asked (a preemption, a rollback),
 and hands it to `distrib_tf.keras.backup` to write on its own disk, in the background.
 
-What a backup holds beside the variables: the resumed epoch's metric sums (`metric_sums`),
-the epochs' logs, the user's callbacks' states and arrays, the rollbacks and the layout.
+The variables are the model's, its optimizer's and those of the optimizers it holds besides
+(`distrib_tf.keras.held_optimizers`: a GAN's). What a backup holds beside the variables: the
+resumed epoch's metric sums (`metric_sums`), the epochs' logs, the user's callbacks' states
+and arrays, the rollbacks and the layout.
 """
 
 import json
@@ -16,6 +18,7 @@ import tensorflow as tf
 
 from distrib_tf import events
 from distrib_tf.keras import backup
+from distrib_tf.keras import held_optimizers
 from distrib_tf.keras import steps as steps_lib
 from distrib_tf.keras import user_view
 
@@ -151,9 +154,12 @@ class WorkerBackup(keras.callbacks.Callback):
         step, arrays = self.step, None
         state = {}
         if self.saved_step != step:
-            variables = backup.state_variables(self.model)
+            held = held_optimizers.describe(self.model)  # A GAN's own optimizers, once built.
+            variables = backup.state_variables(self.model, held_optimizers.variables(self.model, held))
             arrays = snapshot(variables)
             state["variables"] = backup.describe_variables(variables)
+            if held:
+                state["optimizers"] = held
             if step % self.steps_per_epoch:  # Inside an epoch: the sums its History value needs.
                 state["metrics"] = metric_sums(self.model)
         meta = {"run": self.run, "step": step, "epoch": step // self.steps_per_epoch, "task": self.task,

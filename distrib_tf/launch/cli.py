@@ -41,6 +41,11 @@ machine's network and exposes the servers, with a warning; a task that fails on 
 unreachable network is answered with that choice. Where the kernel refuses a namespace,
 a warning says the job is exposed.
 
+With `DISTRIB_TF_FORKSERVER` naming the socket of a fork server of the tasks' interpreter
+(`python -m distrib_tf.launch.forkserver SOCKET`, which imports Keras and TensorFlow once),
+each task whose command it can run is forked from it instead of started anew: TensorFlow's
+start-up (about 10 s a task) is paid once for every task and restart (the test suite's use).
+
 Output is prefixed line by line (`[worker:1] ...`) and, with `--log_dir`, also written
 to one file per task (`worker_1.log`, appended across restarts). TensorFlow's C++ logs
 run at errors only (`TF_CPP_MIN_LOG_LEVEL=2` unless set), without the `cuInit` error of

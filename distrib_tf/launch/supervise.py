@@ -154,13 +154,8 @@ class _Group:
         self.errors: dict[Task, str] = {}  # From each task's `failed` event.
         for slot, task in enumerate(config.tasks):
             read_end, write_end = os.pipe()  # The task's events (`distrib_tf.events`).
-            proc = subprocess.Popen(
-                isolation.dying_with_parent(config.command),
-                env={**task_env(config, spec, task, slot, dict(os.environ)),
-                     events.FD_ENV: events.pipe_name(write_end)},
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, pass_fds=(write_end,),
-            )
+            proc = _start(config.command, env={**task_env(config, spec, task, slot, dict(os.environ)),
+                                               events.FD_ENV: events.pipe_name(write_end)}, events_fd=write_end)
             os.close(write_end)
             self.procs[task] = proc
             self.tails[task] = collections.deque(maxlen=TAIL_LINES)
@@ -231,6 +226,24 @@ class _Group:
             failure.tail = list(self.tails[failure.task])
             failure.error = self.errors.get(failure.task, "")
         return failure
+
+
+def _start(command, *, env: dict, events_fd: int):
+    """The one place tasks start: forked from a pre-imported interpreter where `env` names a
+    fork server that serves `command` (`distrib_tf.launch.forkserver`), else a new process.
+    Either way the task dies with the launcher, in a session of its own."""
+    from distrib_tf.launch import forkserver  # pylint: disable=import-outside-toplevel  (`-m` runs it too)
+
+    if forkserver.serves(command, env):
+        try:
+            with open(os.devnull, "rb") as devnull:
+                return forkserver.spawn(command, env=env, stdin=devnull.fileno(), stdout=-1, stderr=-2,
+                                        pass_fds=(events_fd,))
+        except OSError:  # The server went away since it answered: a new process, as without one.
+            pass
+    return subprocess.Popen(
+        isolation.dying_with_parent(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(events_fd,))
 
 
 def _signal_group(proc: subprocess.Popen, sig: int):

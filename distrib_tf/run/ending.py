@@ -7,7 +7,8 @@ does in each phase is `distrib_tf.keras.sigterm`'s, which phases a run is in is 
 | `Preempted` (SIGTERM)                 | 75 `PREEMPTED`, state saved  | starts it again  |
 | `pruning.Pruned` (a sweep pruned it)  | 3 `PRUNED`, state saved      | does not retry   |
 | `nonfinite.NonFiniteLoss`             | 65 `NONFINITE`               | does not retry   |
-| `resume.ResumeError`, `InvalidRun`    | 2 `USAGE`, nothing lost      | does not retry   |
+| `resume.ResumeError`, `InvalidRun`,   | 2 `USAGE`, nothing lost      | does not retry   |
+| a scope of another strategy           |                              |                  |
 | anything else                         | the traceback, as Python's   | may retry        |
 
 A SIGTERM to one worker of several (its peers hear of it through the coordination service),
@@ -37,6 +38,7 @@ No TensorFlow at import.
 
 import atexit
 import os
+import re
 import signal
 import sys
 import time
@@ -64,9 +66,15 @@ def classify(error: BaseException) -> int | None:
         return exit_codes.PREEMPTED
     if isinstance(error, nonfinite.NonFiniteLoss):
         return exit_codes.NONFINITE
-    if isinstance(error, (resume.ResumeError, InvalidRun)):
+    if isinstance(error, (resume.ResumeError, InvalidRun)) or _another_strategy(error):
         return exit_codes.USAGE
     return None
+
+
+def _another_strategy(error: BaseException) -> bool:
+    """TensorFlow's refusal of a script's own strategy's `scope()` while a run is live."""
+    return isinstance(error, RuntimeError) and str(error).startswith(
+        "Mixing different tf.distribute.Strategy objects")
 
 
 def describe(error: BaseException, task: str) -> str:
@@ -76,6 +84,11 @@ def describe(error: BaseException, task: str) -> str:
         return error.describe(task)
     if code == exit_codes.NONFINITE:
         return f"{task}: {error} Every worker stopped at this step."
+    if _another_strategy(error):
+        entered = re.findall(r"\.(\w+) object at", str(error))[-1:] or ["another strategy"]
+        return (f"Invalid strategy scope: the script entered the scope of a strategy of its own while a run is "
+                f"live. Received: {entered[0]}.scope(). Expected: the run's, `run.strategy.scope()` (or no scope: "
+                "the run's strategy is the default one)")
     return str(error)
 
 

@@ -6,14 +6,20 @@
   becomes one weight per training example by Keras's own function (the validation rows
   stay unweighted, as in Keras);
 - a `tf.data.Dataset` (batched, as `fit` takes one): its own order, resumed by replaying it
-  (`distrib_tf.data.from_dataset`), through one iterator a stage (`OneIterator`);
+  (`distrib_tf.data.from_dataset`), through one iterator a stage (`OneIterator`); one of
+  unknown length counted by one pass; `class_weight` by Keras's own map;
 - a `keras.utils.PyDataset`: batch `i` read by index, so resumed at its step without
-  reading the batches before it (`distrib_tf.data.from_py_dataset`);
+  reading the batches before it, reshuffled each epoch by `(seed, epoch)` with `shuffle`
+  (`distrib_tf.data.from_py_dataset`); `class_weight` by Keras's own function;
+- a Python generator, with `steps_per_epoch`: read on, as Keras reads it; it cannot be
+  replayed, which `Run.fit` says in one line (`distrib_tf.data.batches.from_generator`);
+- a `batch_size` beside any of them is ignored, as Keras ignores it;
 - distrib_tf's own sources (`from_arrays`, `from_source`, `from_images`, `load`,
   `from_dataset_fn`) as they are.
 
 `validation_data` takes the same forms: a tuple (or list) `(x, y)` or `(x, y, sample_weight)`,
-a dataset, or a source.
+a dataset, a PyDataset, a generator, or a source; a dataset of unknown length and a
+generator are read as they are, as Keras reads them (to their end, or `validation_steps`).
 """
 
 import inspect
@@ -25,7 +31,9 @@ import tensorflow as tf
 from keras.src.trainers.data_adapters import data_adapter_utils
 from tensorflow.python.distribute import input_lib
 
+from distrib_tf.data import batches as batches_lib
 from distrib_tf.data import examples as examples_lib
+from distrib_tf.run.ending import InvalidRun
 from distrib_tf.run.options import invalid
 
 SOURCES = (examples_lib.Examples, examples_lib.DatasetFn, examples_lib.Batches)
@@ -36,26 +44,13 @@ def training_data(x, y, *, sample_weight, class_weight, validation_split: float,
     """`fit`'s data arguments as `(train, validation)`: sources of `distrib_tf.data`."""
     if isinstance(validation_split, bool) or not 0.0 <= validation_split < 1.0:
         invalid("validation_split", validation_split, "a fraction in [0, 1)")
-    if isinstance(x, SOURCES) or isinstance(x, tf.data.Dataset):
-        for name, value in (("y", y), ("sample_weight", sample_weight), ("class_weight", class_weight)):
-            if value is not None:
-                invalid(name, type(value).__name__, f"None with x a {type(x).__name__}, which holds its "
-                         "own targets and weights (as Keras's fit)")
-        if validation_split:
-            invalid("validation_split", validation_split, "0 with a dataset: Keras splits arrays only. "
-                     "Pass validation_data instead")
-        return _source(x, "x", steps_per_epoch), validation_of(validation_data)
     if x is None:
         invalid("x", None, "arrays, a tf.data.Dataset or a distrib_tf.data source")
-    if inspect.isgenerator(x):
-        invalid("x", type(x).__name__, "arrays, a tf.data.Dataset or a keras.utils.PyDataset: a generator "
-                 "cannot be resumed at a step (wrap it in tf.data.Dataset.from_generator, resumed by skipping)")
-    if _is_py_dataset(x):
-        for name, value in (("y", y), ("sample_weight", sample_weight), ("class_weight", class_weight)):
-            if value is not None:
-                invalid(name, type(value).__name__, f"None with x a {type(x).__name__}, whose batches hold "
-                         "their own targets and weights (as Keras's fit)")
-        return examples_lib.from_py_dataset(x), validation_of(validation_data)
+    if _is_batched(x):
+        _check_batched(x, y=y, sample_weight=sample_weight, class_weight=class_weight,
+                       validation_split=validation_split)
+        return (_source(x, "x", steps_per_epoch, class_weight=class_weight),
+                validation_of(validation_data))
     x, y = _arrays(x, "x"), (None if y is None else _arrays(y, "y"))
     weights = None if sample_weight is None else np.asarray(sample_weight)
     if class_weight is not None and weights is not None:
@@ -74,6 +69,28 @@ def training_data(x, y, *, sample_weight, class_weight, validation_split: float,
     return examples_lib.from_arrays(x, y, sample_weight=weights), validation
 
 
+def _is_batched(x) -> bool:
+    """Data that holds its own batches, targets and weights (Keras's datasets and generators, our sources)."""
+    return (isinstance(x, (*SOURCES, tf.data.Dataset)) or inspect.isgenerator(x)  # pylint: disable=isinstance-second-argument-not-valid-type
+            or _is_py_dataset(x))
+
+
+def _check_batched(x, *, y, sample_weight, class_weight, validation_split) -> None:
+    """Keras's refusals beside batched data: `y` and `sample_weight` are in its batches;
+    `class_weight` only with a dataset or a PyDataset; no `validation_split`."""
+    kind = type(x).__name__
+    weighs = isinstance(x, tf.data.Dataset) or _is_py_dataset(x)  # Keras weighs their batches' (x, y).
+    for name, value in (("y", y), ("sample_weight", sample_weight), ("class_weight", class_weight)):
+        if value is not None and not (name == "class_weight" and weighs):
+            invalid(name, type(value).__name__, f"None with x a {kind}, which holds its own targets and weights "
+                     "(as Keras's fit)")
+    if class_weight is not None and not isinstance(class_weight, dict):
+        invalid("class_weight", type(class_weight).__name__, "a dict of class index to weight")
+    if validation_split:
+        invalid("validation_split", validation_split, f"0 with x a {kind}: Keras splits arrays only. "
+                 "Pass validation_data instead")
+
+
 def validation_of(data):
     """`validation_data` as a source, or `None`."""
     if data is None:
@@ -84,6 +101,9 @@ def validation_of(data):
         x, y, *weights = data
         return examples_lib.from_arrays(_arrays(x, "validation_data"), _arrays(y, "validation_data"),
                                         sample_weight=weights[0] if weights else None, name="validation_data")
+    if inspect.isgenerator(data) or (isinstance(data, tf.data.Dataset)
+                                     and int(data.cardinality()) == tf.data.UNKNOWN_CARDINALITY):
+        return _source(data, "validation_data", None, as_it_is=True)  # To its end, or `validation_steps` read on.
     return _source(data, "validation_data", None)
 
 
@@ -92,17 +112,25 @@ def _is_py_dataset(data) -> bool:
         hasattr(data, "__getitem__") and hasattr(data, "__len__") and hasattr(data, "on_epoch_end"))
 
 
-def _source(data, argument: str, steps_per_epoch: int | None):
+def _source(data, argument: str, steps_per_epoch: int | None, *, class_weight=None, as_it_is=False):
     if isinstance(data, SOURCES):
         return data
-    if _is_py_dataset(data):
-        return examples_lib.from_py_dataset(data)
-    if isinstance(data, tf.data.Dataset):
-        try:
-            return examples_lib.from_dataset(data, steps_per_epoch=steps_per_epoch)
-        except ValueError as e:
-            invalid(argument, "a tf.data.Dataset of unknown or infinite length", f"`steps_per_epoch` with it ({e})")
-    invalid(argument, type(data).__name__, "arrays, a tuple (x, y), a tf.data.Dataset or a distrib_tf.data source")
+    try:
+        if as_it_is:  # Keras reads it as it is: each validation to its end, or `validation_steps` read on.
+            return batches_lib.as_it_is(data)
+        if inspect.isgenerator(data):
+            return batches_lib.from_generator(data, steps_per_epoch=steps_per_epoch)
+        if _is_py_dataset(data):
+            return batches_lib.from_py_dataset(data, class_weight=class_weight)
+        if isinstance(data, tf.data.Dataset):
+            return batches_lib.from_dataset(data, steps_per_epoch=steps_per_epoch, class_weight=class_weight)
+    except InvalidRun:
+        raise
+    except ValueError as e:  # Keras's own checks (a generator's batches, class_weight) word theirs.
+        message = str(e) if str(e).startswith("Invalid value") else f"Invalid value for argument `{argument}`: {e}"
+        raise InvalidRun(message) from e
+    invalid(argument, type(data).__name__, "arrays, a tuple (x, y), a tf.data.Dataset, a keras.utils.PyDataset, "
+             "a generator or a distrib_tf.data source")
 
 
 def _arrays(structure, argument: str):
@@ -129,12 +157,23 @@ def _class_weights(y, class_weight: dict) -> np.ndarray:
 
 
 def batch_size_of(train, batch_size: int | None) -> int:
-    """The global batch: `batch_size` (Keras's default 32 for arrays), or a dataset's own."""
+    """The global batch: `batch_size` (Keras's default 32 for arrays), or batched data's own
+    (a `batch_size` beside it is ignored, as Keras's `fit` ignores it: `Run.fit` says so)."""
     if not isinstance(train, examples_lib.Batches):
         return 32 if batch_size is None else batch_size
-    if batch_size is not None:
-        invalid("batch_size", batch_size, "None with a tf.data.Dataset, which is batched already (as Keras's fit)")
     return train.batch_size()
+
+
+def say(train, batch_size: int | None, *, task: str) -> None:
+    """One line each: what batched data costs or cannot guarantee (`Batches.note`), and a
+    `batch_size` beside it, ignored as Keras's `fit` ignores it."""
+    if not isinstance(train, examples_lib.Batches):
+        return
+    if train.note:
+        print(f"{task}: {train.note}", flush=True)
+    if batch_size is not None:
+        print(f"{task}: batch_size={batch_size} ignored: x, {train.name}, is batched already (as Keras's fit "
+              "ignores it)", flush=True)
 
 
 class OneIterator(input_lib.DistributedDataset):  # pylint: disable=abstract-method

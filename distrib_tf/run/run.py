@@ -52,6 +52,7 @@ from distrib_tf import cluster
 from distrib_tf import events
 from distrib_tf import lifeline
 from distrib_tf import trial
+from distrib_tf.data import batches as batches_lib
 from distrib_tf.data import examples as examples_lib
 from distrib_tf.data import pipeline
 from distrib_tf.keras import backup
@@ -152,7 +153,6 @@ class Run:
         self._fitted = self._ended = self._crashed = False
         self._stages: list[tuple[str, str]] = []  # Each fit's backup directory and run id.
         self._held: list[int] = []  # The backup directories this process holds (`resume.hold`).
-        self._schedule = None  # The user's learning-rate schedule, after a rollback replaced it.
         tf.distribute.experimental_set_strategy(self.strategy)  # The script's models are built under it.
         routing.activate(self)  # And their `model.fit` is this run's.
         if self.exit_on_error:
@@ -216,9 +216,10 @@ class Run:
         dataset of global batches, in the run's order from `start_step`: by default one pass,
         to the end of that epoch (for `evaluate` and `predict`); `one_pass=False`: endless."""
         if isinstance(data, tf.data.Dataset):
-            data = examples_lib.from_dataset(data)
-        if isinstance(data, examples_lib.Batches):
-            return self.strategy.experimental_distribute_dataset(data.batches(start_step, not one_pass))
+            data = batches_lib.from_dataset(data)
+        if isinstance(data, examples_lib.Batches):  # A PyDataset's batches reshuffled by (seed, epoch) with shuffle.
+            return self.strategy.experimental_distribute_dataset(
+                data.batches(start_step, not one_pass, seed=self.options.seed if shuffle else None))
         if isinstance(data, examples_lib.DatasetFn):
             return self.strategy.distribute_datasets_from_function(
                 lambda context: data.fn(context).skip(start_step))
@@ -274,6 +275,8 @@ class Run:
         train, validation_data = inputs.training_data(
             x, y, sample_weight=sample_weight, class_weight=class_weight, validation_split=validation_split,
             validation_data=validation_data, steps_per_epoch=steps_per_epoch)
+        if self.is_chief:  # What batched data costs or cannot guarantee; an ignored batch_size.
+            inputs.say(train, global_batch_size or batch_size, task=self.task)
         global_batch_size = inputs.batch_size_of(train, global_batch_size or batch_size)
         validation_batch_size = validation_batch_size or global_batch_size
         steps, val_steps = checks.check_fit(
@@ -300,7 +303,9 @@ class Run:
                     validation_freq=validation_freq)
                 ending.end_fit(self)  # Every worker's files written; a SIGTERM from now on: 75 at once.
                 return history
-        finally:
+        finally:  # The user's model and optimizer as Keras left them (with the learning rate rollbacks left).
+            local_sgd.release(model.optimizer)  # Its gradients all-reduced again, nothing else carried.
+            schedules.settle(model, self.task)
             step_logs.release(model)  # The model is the user's again: its evaluate logs its metrics only.
             uneven.unweigh(model)
             nonfinite.detach(model)
@@ -326,18 +331,15 @@ class Run:
     # Outputs and the end.
 
     def outputs(self) -> contextlib.AbstractContextManager:
-        """A context for the chief's outputs after `fit`: a SIGTERM inside exits 75 at once
-        (every worker's backup holds the last step; a restart writes them again)."""
+        """The chief's outputs after `fit`: a SIGTERM inside exits 75 at once (a restart writes them again)."""
         return sigterm.saved(self.step)
 
     def save(self, model: keras.Model) -> str | None:
-        """The chief writes `model.keras` and `serving/` under `model_dir`
-        (`distrib_tf.run.export`); returns the `.keras` path there, `None` elsewhere."""
+        """The chief writes `model.keras` and `serving/` under `model_dir`; returns that path."""
         with self.outputs():
             if not self.is_chief:
                 return None
-            with schedules.plain(model.optimizer, self._schedule):
-                return export.export_model(model, self.model_dir)[0]
+            return export.export_model(model, self.model_dir)[0]
 
     def end(self) -> None:
         """The clean end, on every worker: the chief writes `summary.json`; once every
@@ -371,11 +373,17 @@ class Run:
         for directory, run_id in reversed(self._stages):
             backup.retire_gone(directory, run=run_id, tasks=self.replica_tasks, below=2**62)  # Gone tasks' go.
             backup.finish(directory)  # Its last backup, for a rerun of the same script.
+        self._let_go()
         final = self.summary.get("final") or {  # The last epoch's logs, where the script evaluated nothing.
             k: v for k, v in (self.summary.get("epochs") or [{}])[-1].items() if k != "epoch"}
         events.emit("finished", final=final, summary=path if self.is_chief else None)
         if not self.exit_on_error:  # (Else `ending` does, once every worker left together.)
             sigterm.settle(None)
+
+    def _let_go(self) -> None:
+        """Lets go of the backup directories held (`resume.hold`) for a next Run in this process."""
+        while self._held:
+            os.close(self._held.pop())
 
     def __enter__(self):
         return self
@@ -386,5 +394,7 @@ class Run:
             tf.distribute.experimental_set_strategy(None)
             routing.deactivate(self)
         ending.leave_block(self, error)
+        if error is not None:  # (With exit_on_error, leave_block ended the process.)
+            self._let_go()
         return False
 

@@ -20,6 +20,8 @@ from distrib_tf import trial
 from distrib_tf.data import examples as examples_lib
 from distrib_tf.keras import backup
 from distrib_tf.keras import callbacks as callbacks_lib
+from distrib_tf.keras import ema
+from distrib_tf.keras import held_optimizers
 from distrib_tf.keras import local_sgd
 from distrib_tf.keras import nonfinite
 from distrib_tf.keras import preemption
@@ -60,7 +62,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
         run._stages.append((backup_dir, run_id))
         resume = resume_lib.agree_on_resume(model, backup_dir, run=run_id, task=run.task)
     start_step, meta = offset + resume.step, resume.meta  # What the step's backup holds beside weights.
-    rollbacks = schedules.redo(run, model, meta.get("rollbacks") or [])  # The learning rate they left.
+    rollbacks = schedules.redo(model, meta.get("rollbacks") or [])  # The learning rate they left.
     if resume.step:
         source = _described(resume.source, run.replica_tasks)
         if meta.get("finished") and (start_step >= epochs * steps or meta.get("stopped")):
@@ -79,10 +81,10 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
               "a resumed or repeated run reads other values there (seed a stateless op, e.g. "
               "tf.random.stateless_uniform, or map sequentially)", flush=True)
     run.resumed_at_step = start_step
-    stage_steps = steps_lib.StageSteps(model.optimizer, done=resume.step)  # What every guarantee counts.
+    stage_steps = steps_lib.BatchSteps(steps, done=resume.step)  # What every guarantee counts: the batches.
     users = user_view.Segments(user_view.without_backup_and_restore(callbacks or (), run.task), model,
                                states=meta.get("callbacks"), arrays=backup.read_arrays(resume.source, meta),
-                               task=run.task)
+                               task=run.task, params={"verbose": verbose, "epochs": epochs, "steps": steps})
     worker_backup = worker_backup_lib.WorkerBackup(
         backup_dir, run=run_id, task=run.task, steps_per_epoch=steps, every_steps=options.backup_every_steps,
         history=[h for h in meta.get("history", []) if h["epoch"] * steps <= start_step],
@@ -120,11 +122,13 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     # The user's see each step after the NaN check and before its backup, which so holds their state.
     checkpoint = callbacks_lib.ChiefCheckpoint(run.model_dir, run_id, keep=options.keep_checkpoints, stage=stage)
     save_on_preemption = preemption.SaveOnPreemption(worker_backup)
-    every_callback = [preemption.EpochEndBegins(save_on_preemption),  # Where the epoch's on_epoch_end begin.
+    keep = ema.KeepWeightsUntilLast(lambda: users.last)  # Keras's EMA swap: at the stage's last fit only.
+    every_callback = [stage_steps, keep.putting_back,  # The step first: every callback after it reads it.
+                      preemption.EpochEndBegins(save_on_preemption),  # Where epoch ends begin.
                       *ours, hide, users, worker_backup, checkpoint, save_on_preemption,
                       *([pruning.PruneAtEpochEnd(worker_backup, is_chief=run.is_chief, fit=stage + 1)]
                         if trial.prunes() else []),
-                      progbar]
+                      progbar, keep]
     if verbose == "auto":
         verbose = 1 if sys.stdout.isatty() else 2
     verbose = verbose if run.is_chief else 0  # The chief speaks for the job (`EpochLine` above for the rest).
@@ -135,24 +139,27 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
     step, last_step = start_step, epochs * steps
     # Several steps an execution: one `fit` an epoch, on that epoch's batches alone, so that an
     # execution ends at the epoch's end as on Keras's own finite data (an endless stream with
-    # `steps_per_epoch` would run whole executions past it).
-    # (Sources read by position only: a tf.data.Dataset reaches a later epoch by skipping every
-    # batch before it, which one fit an epoch would pay again each epoch.)
-    epochwise = ((model.steps_per_execution or 1) > 1 and not isinstance(train, examples_lib.DatasetFn)
-                 and not getattr(train, "skips", False))
+    # `steps_per_epoch` runs whole executions past it: 12 steps an epoch of 10 in executions of 4).
+    # A tf.data.Dataset is replayed to the stage's step once; each later epoch is one fresh pass
+    # of it (`replayed`), one iterator an epoch as Keras's `fit` makes them.
+    epochwise = (model.steps_per_execution or 1) > 1 and not isinstance(train, examples_lib.DatasetFn)
+    replayed = False
     keras_fit = super(keras.Model, model).fit  # Keras's own: not a model library's `fit`, which called this one.
     model.stop_training = bool(meta.get("stopped"))  # A callback ended the stage there (EarlyStopping).
     held = None  # A tf.data.Dataset: one iterator for the stage (`inputs.OneIterator`).
+    trained = False  # Whether a Keras fit ran here (else the stage came back finished, or at its end).
     while step < last_step and not model.stop_training:
         if held is None and getattr(train, "skips", False) and not epochwise:
             held = inputs.OneIterator(run.distribute(train, global_batch_size=global_batch_size, start_step=step,
                                                      one_pass=False))
         epoch, done = divmod(step, steps)
         until = epoch + 1 if done or epochwise else epochs  # A partial epoch alone, then the rest.
-        users.last, progbar.skipped = until == epochs, done
+        users.last, users.skipped, progbar.skipped = until == epochs, done, done
+        start, replayed = (step % steps if replayed else step), epochwise and getattr(train, "skips", False)
+        stage_steps.begin(step - offset)
         try:
             fitted = keras_fit(
-                held or run.distribute(train, global_batch_size=global_batch_size, start_step=step, shuffle=shuffle,
+                held or run.distribute(train, global_batch_size=global_batch_size, start_step=start, shuffle=shuffle,
                                        one_pass=epochwise),
                 initial_epoch=epoch, epochs=until, steps_per_epoch=None if epochwise else steps - done,
                 validation_data=validation, validation_steps=val_steps, validation_freq=validation_freq,
@@ -171,7 +178,7 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
                 run.step = e.step
                 raise
             step = offset + roll_back(run, model, e)
-            held = None  # Replayed from the step rolled back to.
+            held, replayed = None, False  # Replayed from the step rolled back to.
             rollbacks.append({"at_step": e.step, "to_step": step,
                               "learning_rate": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))})
             worker_backup.history = [h for h in worker_backup.history if h["epoch"] * steps <= step]
@@ -183,16 +190,13 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
                 raise
             worker_backup.flush()
             raise preemption.Preempted(save_on_preemption.kept) from e
-        step = (fitted.epoch[-1] + 1) * steps if fitted.epoch else until * steps
+        step, trained = (fitted.epoch[-1] + 1) * steps if fitted.epoch else until * steps, True
         if model.stop_training and not users.last:  # Stopped by a callback in a partial epoch.
             users.last = True
             users.on_train_end()
+    users.restore()  # A stage that came back finished: its callbacks' state all the same.
     run.step = step
-    if not any(b["step"] == step - offset for b in backup.list_backups(backup_dir)):  # Returned from elsewhere.
-        worker_backup.set_model(model)
-        worker_backup.step = step - offset
-        worker_backup.save()  # This worker's own disk holds the stage's end, for a rerun.
-        worker_backup.flush()
+    _back_up_the_end(worker_backup, model, step - offset, again=trained)
     for record in worker_backup.history:
         for key, value in record.items():
             if key != "epoch":  # A metric of several values is an array, as in Keras's History.
@@ -230,23 +234,45 @@ def fit_stage(run, model, train, validation_data, *, stage, epochs, steps, val_s
 
 def identity(run, model, train, global_batch_size: int, steps: int) -> str:
     """What a backup must match to be resumed: whatever changes the arithmetic."""
-    config = model.optimizer.get_config()
-    config.pop("name", None)
     described = {
         "variables": [(v.path, tuple(v.shape), str(v.dtype)) for v in model.variables],
-        "optimizer": [type(model.optimizer).__name__, config],
+        "optimizer": [type(model.optimizer).__name__, _config(model.optimizer)],
         "data": getattr(train, "fingerprint", "") or train.name, "global_batch_size": global_batch_size,
         "steps_per_epoch": steps, "seed": run.options.seed, "sync": run.options.sync,
         "outer": run.options.outer(), "allreduce_dtype": run.options.allreduce_dtype,
     }
+    held = held_optimizers.held(model)  # A GAN's own optimizers (none: the identity as before).
+    if held:
+        described["held_optimizers"] = [[name, type(o).__name__, _config(o)] for name, o in held]
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+def _config(optimizer) -> dict:
+    """An optimizer's configuration, its name aside (Keras numbers it)."""
+    config = optimizer.get_config()
+    config.pop("name", None)
+    return config
+
+
+def _back_up_the_end(worker_backup, model, step: int, *, again: bool) -> None:
+    """The stage's last backup holds the state Keras's `fit` returned, after its end
+    (`finalize_variable_values`'s EMA swap, `on_train_end`: EarlyStopping's best weights), for
+    a rerun of the same script to return; `again`: the epoch end's backup of that step, taken
+    before, is taken again. Else one is taken only if this worker holds none of the step (its
+    state came from a peer's backup)."""
+    if not again and any(b["step"] == step for b in backup.list_backups(worker_backup.directory)):
+        return
+    worker_backup.set_model(model)
+    worker_backup.step, worker_backup.saved_step = step, None  # (`saved_step`: the variables are taken again.)
+    worker_backup.save()
+    worker_backup.flush()
+
 
 def roll_back(run, model, error) -> int:
     """Restores the newest backup and halves the learning rate."""
     optimizer = model.optimizer
     rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate)) / 2  # Before the backup restores it.
     step = resume_lib.agree_on_resume(model, run._stages[-1][0], run=run.run_id, task=run.task, include_start=True).step
-    if not schedules.halve(run, model):
+    if not schedules.halve(model):
         optimizer.learning_rate = rate
     print(f"{run.task} {error} Rolled back to step {step}; learning rate halved to "
           f"{float(keras.ops.convert_to_numpy(optimizer.learning_rate)):.3g}.", flush=True)

@@ -18,6 +18,10 @@ each `setUp` (a script that calls `clear_session()` after `Run(...)` loses it th
 
 Each test's outcome (passed, failed, skipped), its error's last line and how many of its
 `fit` calls went through `Run.fit` are written as JSON to `DISTRIB_TF_CONTRACT_RESULTS`.
+With pytest-xdist (`-n 2`) each worker makes its own strategy and run, ships a test's
+count of routed fits in its report (`user_properties`), and the controller (which makes
+neither) writes the file. `DISTRIB_TF_CONTRACT_ONLY`, a file of test ids one a line,
+runs those tests only (`contract.py` runs the plain variant on what fails with the run).
 """
 
 import importlib.util
@@ -26,6 +30,7 @@ import os
 import sys
 import tempfile
 import types
+import zlib
 
 import pytest
 
@@ -41,6 +46,8 @@ def pytest_configure(config):
         raise pytest.UsageError(f"Invalid value for environment variable `DISTRIB_TF_CONTRACT_VARIANT`. "
                                 f"Received: {variant!r}. Expected one of {VARIANTS}.")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    if _is_xdist_controller(config):  # It collects no test module: no Keras, no TensorFlow.
+        return
     # Imported before the test modules: pytest's importlib mode would otherwise make an
     # empty `keras.src` for `keras/src/callbacks/x_test.py` (no `__init__.py` in the cache).
     import keras  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
@@ -81,6 +88,11 @@ def pytest_configure(config):
     test_case.TestCase.setUp = set_up_under_strategy
 
 
+def _is_xdist_controller(config) -> bool:
+    """Whether this process hands the tests out to pytest-xdist's workers (and runs none)."""
+    return getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput")
+
+
 class _Absent(types.ModuleType):
     """A package this machine lacks, importable so that a test module naming it at its top
     loads; any use of it raises `ModuleNotFoundError`, plainly and with the run alike."""
@@ -111,15 +123,40 @@ def pytest_collectreport(report):
         _state["results"][report.nodeid] = {"outcome": "failed", "error": _last_line(report), "routed_fits": 0}
 
 
+def pytest_collection_modifyitems(config, items):
+    path = os.environ.get("DISTRIB_TF_CONTRACT_ONLY")
+    if not path:
+        return
+    with open(path, encoding="utf-8") as f:
+        wanted = {line.strip() for line in f if line.strip()}
+    deselected = [item for item in items if item.nodeid not in wanted]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item.nodeid in wanted]
+
+
 def pytest_runtest_setup(item):
+    """Each test starts from its own seed, the same in every variant and process: Keras draws
+    an unseeded layer's initial weights from Python's `random`, which is seeded anew in each
+    process (a test that diverges from one start in six would pass or fail by chance)."""
     _state["routed"] = 0
+    import keras  # pylint: disable=import-outside-toplevel  (imported at pytest_configure)
+
+    keras.utils.set_random_seed(zlib.crc32(item.nodeid.encode()))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "call":  # In the report: it travels from an xdist worker to the controller.
+        outcome.get_result().user_properties.append(("routed_fits", _state["routed"]))
 
 
 def pytest_runtest_logreport(report):
     results = _state["results"]
     entry = results.setdefault(report.nodeid, {"outcome": "passed", "error": "", "routed_fits": 0})
     if report.when == "call":
-        entry["routed_fits"] = _state["routed"]
+        entry["routed_fits"] = dict(report.user_properties).get("routed_fits", 0)
     if report.skipped and entry["outcome"] == "passed":
         entry["outcome"] = "skipped"
     elif report.failed:
@@ -152,7 +189,7 @@ def _deepest_own_frame(report) -> str:
 
 def pytest_sessionfinish(session):
     path = os.environ.get("DISTRIB_TF_CONTRACT_RESULTS")
-    if path:
+    if path and not hasattr(session.config, "workerinput"):  # An xdist worker's results are the controller's.
         with open(path, "w", encoding="utf-8") as f:
             json.dump(_state["results"], f, indent=0, sort_keys=True)
     run = _state["run"]
