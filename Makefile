@@ -52,8 +52,10 @@ test-fast: $(STAMP)
 
 # The Keras compat tests once per Keras minor that setup.cfg declares (but .venv's own), each
 # in its own venv; multi-worker training tests on the oldest (scripts/test_compat.sh).
+# MINORS=oldest: the oldest minor only (.ci/run); MINORS=others: the rest (make soak).
+MINORS ?= all
 test-compat: $(STAMP)
-	scripts/test_compat.sh -k "not killed_run"
+	DISTRIB_TF_MINORS=$(MINORS) scripts/test_compat.sh -k "not killed_run"
 
 # Keras's own tests of fit (its trainer, callbacks and models, from the installed Keras's sdist)
 # plainly and with a live distrib_tf.Run, on one device and on 2 replicas: fails on a test only
@@ -67,7 +69,7 @@ test-keras: $(STAMP)
 # of its own under .tf/: the Keras fixes, a keras.io example preempted and resumed on 2 workers,
 # and make train's command through the launcher (scripts/test_tf.sh).
 test-tf: $(STAMP)
-	scripts/test_tf.sh
+	DISTRIB_TF_MINORS=$(MINORS) scripts/test_tf.sh
 
 # Ray Train on a two-node local Ray cluster (as root), in a venv of its own with the `ray` extra;
 # a sweep whose trials are Ray jobs (tests/test_ray.py).
@@ -79,7 +81,7 @@ $(STAMP_RAY): setup.cfg pyproject.toml
 
 # The venvs of test-tf and test-ray alone, no test: .ci/run installs them while make test runs.
 install-suites: $(STAMP) $(STAMP_RAY)
-	DISTRIB_TF_INSTALL_ONLY=1 scripts/test_tf.sh
+	DISTRIB_TF_MINORS=$(MINORS) DISTRIB_TF_INSTALL_ONLY=1 scripts/test_tf.sh
 
 # (Tasks as new interpreters, not forks: the tests find them in /proc by their command lines.)
 test-ray: $(STAMP_RAY)
@@ -93,9 +95,12 @@ test-ray: $(STAMP_RAY)
 test-engines: $(STAMP)
 	DISTRIB_TF_FORKSERVER= $(PY) -m pytest -q --durations=5 -m engines tests/test_engines.py tests/test_slurm.py
 
-# Two test files at a time, as make test (each test's report is its own file beside soak_report.json).
+# The long variants, two test files at a time as make test (each test's report is its own file
+# beside soak_report.json); then the Keras and TensorFlow minors between the oldest (.ci/run's)
+# and .venv's (make test's).
 soak: $(STAMP)
 	DISTRIB_TF_SOAK_REPORT=$(CURDIR)/soak_report.json $(PY) -m pytest -q -rfE --durations=25 -n 2 --dist loadfile -m slow
+	$(MAKE) test-compat test-tf MINORS=others
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

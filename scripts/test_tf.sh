@@ -10,6 +10,7 @@
 # Prints each minor's minutes.
 #   scripts/test_tf.sh [PYTEST_ARGS...]
 #   DISTRIB_TF_TF_MINORS="19 20" scripts/test_tf.sh   # some of them only
+#   DISTRIB_TF_MINORS=oldest scripts/test_tf.sh      # the oldest only (CI); =others: the rest
 #   DISTRIB_TF_INSTALL_ONLY=1 scripts/test_tf.sh      # their venvs only, no test
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +26,15 @@ PY
 )
 # .venv's own TensorFlow minor is the one `make test` runs everything on.
 base_minor=$(TF_CPP_MIN_LOG_LEVEL=3 .venv/bin/python -c 'import tensorflow as tf; print(tf.__version__.split(".")[1])' 2>/dev/null || true)
+# DISTRIB_TF_MINORS=oldest: the oldest declared minor only (CI's budget: it is the furthest from
+# .venv's, which make test runs); =others: the ones between (make soak).
+oldest=${minors%% *}
+case "${DISTRIB_TF_MINORS:-all}" in
+  oldest) minors=$oldest ;;
+  others) minors=$(echo ${minors#"$oldest"}) ;;
+  all) ;;
+  *) echo "test_tf.sh: DISTRIB_TF_MINORS is '$DISTRIB_TF_MINORS'; expected oldest, others or all" >&2; exit 2 ;;
+esac
 minors=${DISTRIB_TF_TF_MINORS:-$minors}
 # Lean, for CI's budget: the Keras fixes at work but the slow tests (make soak: among them the
 # kill-and-resume one). Not "each fix is needed": whether upstream still fails without a fix is
