@@ -18,6 +18,7 @@ strategy and logical CPU devices are configured when the runtime starts.
 
 import dataclasses
 import importlib.util
+import itertools
 import logging
 import os
 
@@ -217,6 +218,15 @@ def _split_cpu(replicas: int) -> list[str]:
     return [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
+# A MirroredStrategy's collectives are named by group keys that TensorFlow starts at 1 for
+# every strategy: a second one in the process (a notebook cell run again) reused the first's
+# keys, and its first all-reduce of another dtype or shape failed ("Collective instance 100
+# expected type 0 and data_type 1 but got type 0 and data_type 2"). Each strategy made here
+# starts at a base of its own, through the class attribute TensorFlow's own tests set.
+_KEYS_APART = 1000  # A strategy uses one group key per set of devices.
+_mirrored_made = itertools.count(1)
+
+
 def _make_mirrored(options: StrategyOptions) -> tf.distribute.Strategy:
     if tf.config.list_physical_devices("GPU"):
         devices = [d.name for d in tf.config.list_logical_devices("GPU")]
@@ -226,7 +236,12 @@ def _make_mirrored(options: StrategyOptions) -> tf.distribute.Strategy:
     else:
         devices = _split_cpu(options.cpu_replicas or 1)
         cross_device_ops = None
-    return tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=cross_device_ops)
+    mirrored = tf.distribute.MirroredStrategy
+    default, mirrored._collective_key_base = mirrored._collective_key_base, _KEYS_APART * next(_mirrored_made)
+    try:
+        return mirrored(devices=devices, cross_device_ops=cross_device_ops)
+    finally:
+        mirrored._collective_key_base = default
 
 
 def _make_one_device() -> tf.distribute.Strategy:

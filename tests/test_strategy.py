@@ -2,6 +2,7 @@
 
 import json
 import os
+import tempfile
 
 import pytest
 
@@ -12,6 +13,7 @@ from cluster_runner import run_single
 
 HERE = os.path.dirname(__file__)
 DESCRIBE = os.path.join(HERE, "workers", "describe.py")
+TWO_RUNS = os.path.join(HERE, "workers", "two_runs.py")
 ENV = {"PYTHONPATH": os.path.dirname(HERE)}
 
 
@@ -104,3 +106,19 @@ def test_a_keras_that_moved_its_private_modules_degrades_and_does_not_break():
     assert len(seen["warnings"]) == 1 and "Keras 3.99.0 is not a version distrib_tf was tested with" in \
         seen["warnings"][0], seen["warnings"]
     assert seen["periodic_sync"].startswith("Keras 3.99.0 is not a version distrib_tf was tested with"), seen
+
+
+def test_a_second_mirrored_strategy_in_one_process_all_reduces():
+    """TensorFlow starts every MirroredStrategy's collective keys at one place: in a process
+    that made one before (a notebook cell run again), the second's first all-reduce of another
+    dtype fails. make_strategy gives each strategy keys of its own: two runs, one after the
+    other in one process, both train (the second failed at its first epoch's end)."""
+    upstream = run_single([TWO_RUNS, "tensorflow"], env=ENV)
+    check_ok([upstream])
+    error = json.loads(upstream.output.strip().splitlines()[-1])["error"]
+    assert "Collective instance" in error and "data_type 1 but got type 0 and data_type 2" in error, error
+    with tempfile.TemporaryDirectory() as directory:
+        ours = run_single([TWO_RUNS, "runs", directory], env=ENV)
+    check_ok([ours])
+    losses = json.loads(ours.output.strip().splitlines()[-1])["losses"]
+    assert len(losses) == 2 and all(len(loss) == 2 for loss in losses), losses

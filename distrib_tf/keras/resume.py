@@ -15,9 +15,10 @@ who sends and what every worker receives:
    backup anywhere: step 0; another run's backups in a task's own directory: a
    `ResumeError` naming it, on every worker alike, so none hangs.
 3. Every worker that holds that step loads it from its disk. If some cannot (a host that
-   lost its disk or joined the job), exactly one sends (`share_state`): the first replica
-   that holds it, its variables and its backup's metadata, in one float64 all-reduce to
-   which every other replica, holders too, adds zeros of the same shape. A worker that
+   lost its disk or joined the job), exactly one sends: the first replica that holds it,
+   its backup's metadata before anyone loads (`_share_metadata`: every worker then builds
+   what it names at one point), then its variables (`share_state`), each in one float64
+   all-reduce to which every other replica, holders too, adds zeros of the same shape. A worker that
    holds the step keeps its own metadata (its own metric sums inside an epoch); every
    other one receives the source's, bytes for bytes.
 
@@ -189,6 +190,12 @@ def agree_on_resume(model, directory: str, *, run: str, task: str, include_start
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
     holds = found is not None and found.meta["step"] == step
+    own = found.meta if holds else None
+    shared = _share_metadata(strategy, rows=rows, row=row, step=step, meta=own)
+    # Every worker builds the optimizers the model holds besides model.optimizer here, at one
+    # point (creating a variable under MultiWorkerMirroredStrategy is a collective), from the
+    # same metadata: a holder building them on its own while loading would wait for the others.
+    held_optimizers.build(model, shared.get("optimizers"))
     if holds:
         path = backup.data_path(found.directory, found.meta)
         if "variables" in found.meta:
@@ -197,13 +204,13 @@ def agree_on_resume(model, directory: str, *, run: str, task: str, include_start
             model.load_weights(path)
             for variable, value in zip(seed_states(model), found.meta.get("seeds") or ()):
                 variable.assign(np.asarray(value, dtype=variable.dtype))
-    meta = share_state(model, rows=rows, row=row, step=step, meta=found.meta if holds else None)
+    meta = share_state(model, rows=rows, step=step, meta=own, shared=shared)
     all_own = bool(all(row[3] == step and row[5] for row in rows))
     return Resume(step, meta, found.directory if holds else None, all_own)
 
 
 def _metadata_sent(rows: np.ndarray, row: np.ndarray, *, source: int, meta: dict | None) -> np.ndarray:
-    """What this worker adds to `share_state`'s all-reduce after the variables: its encoded
+    """What this worker adds to `_share_metadata`'s all-reduce: its encoded
     metadata from the source replica's worker; from every other, zeros of the source's
     length (`rows[source][4]`): another holder's own metadata has another length (its task,
     its own metric sums inside an epoch) and is not sent."""
@@ -225,36 +232,43 @@ def decide(rows: np.ndarray) -> int:
     return max(0, int(rows[:, 3].max()))
 
 
-def share_state(model, *, rows: np.ndarray, row: np.ndarray, step: int, meta: dict | None) -> dict:
-    """Gives the state of `step` to every worker that cannot read it, from the first replica
-    that did (the source): the backup's metadata, then every variable it names (the model's,
-    its optimizer's, the optimizers it holds besides: built first from the metadata), each in
-    one all-reduce, in float64, where only the source replica adds its values (exact: x + 0 is
-    x, and float32, integer counts below 2**53 and bytes pass through float64 unchanged).
-    Returns the metadata (this worker's own when it holds the step).
+def _share_metadata(strategy, *, rows: np.ndarray, row: np.ndarray, step: int, meta: dict | None) -> dict:
+    """The metadata of `step`'s backup, on every worker: this worker's own `meta` when every
+    worker holds the step; otherwise the source's (the first replica that holds it), in one
+    all-reduce (`_metadata_sent`), before anyone loads its backup."""
+    holders = [r for r, each in enumerate(rows) if each[3] == step]
+    if len(holders) == len(rows):
+        return meta
+    encoded = _metadata_sent(rows, row, source=holders[0], meta=meta)
+    return json.loads(_from_source(strategy, holders[0], lambda: [tf.constant(encoded)]).astype(np.uint8).tobytes())
 
-    Every worker calls it at the same point with the same `rows` (one per replica) and its
-    own `row`, the holders once their backup is loaded; all meet at a barrier first, so that
-    a collective timeout does not run while a holder still loads a large model. Every
-    worker's tensor has one shape: the metadata's is the source's length everywhere
-    (`_metadata_sent`), whatever the other holders' own metadata hold.
+
+def share_state(model, *, rows: np.ndarray, step: int, meta: dict | None, shared: dict) -> dict:
+    """Gives the state of `step` to every worker that cannot read it, from the first replica
+    that did (the source): every variable its metadata `shared` (`_share_metadata`'s) names
+    (the model's, its optimizer's, the optimizers it holds besides, built), in one all-reduce,
+    in float64, where only the source replica adds its values (exact: x + 0 is x, and float32,
+    integer counts below 2**53 and bytes pass through float64 unchanged). Returns the
+    metadata: this worker's own `meta` when it holds the step, else `shared`.
+
+    Every worker calls it at the same point with the same `rows` (one per replica), the
+    holders once their backup is loaded; all meet at a barrier first, so that a collective
+    timeout does not run while a holder still loads a large model.
     """
     holders = [r for r, each in enumerate(rows) if each[3] == step]
     if len(holders) == len(rows):
         return meta
-    strategy, source = model.distribute_strategy, holders[0]
-    encoded = _metadata_sent(rows, row, source=source, meta=meta)
+    strategy = model.distribute_strategy
     phases.enter(strategy, "state_loaded")
-    sent = json.loads(_from_source(strategy, source, lambda: [tf.constant(encoded)]).astype(np.uint8).tobytes())
-    variables = _state_variables(model, sent)
-    flat = _from_source(strategy, source, lambda: [v.value for v in variables])
+    variables = _state_variables(model, shared)
+    flat = _from_source(strategy, holders[0], lambda: [v.value for v in variables])
     offset = 0
     for variable in variables:
         size = int(np.prod(variable.shape))
         variable.assign(flat[offset:offset + size].reshape(variable.shape).astype(variable.dtype))
         offset += size
     if meta is None:
-        meta = sent
+        meta = shared
         events.emit("state_received", step=step)
     return meta
 
