@@ -516,16 +516,17 @@ def test_a_gan_with_optimizers_of_its_own_crashed_inside_an_epoch_resumes_bit_id
 @pytest.mark.multiworker
 def test_a_gan_on_two_workers_one_of_them_without_its_backup_resumes_bit_identical(tmp_path):
     """The GAN of the test above on 2 workers, each on a disk of its own, crashed at step 7,
-    worker 1's backups then lost (a host that lost its disk): worker 1 receives step 5's state from worker 0, the optimizers
-    the model holds included. A worker holding the backup built them on its own while loading
+    worker 1's backups then lost (a host that lost its disk): worker 1 receives step 5's
+    state from worker 0, the optimizers the model holds included. A worker holding the backup built them on its own while loading
     it (creating their variables: a collective under MultiWorkerMirroredStrategy) while the
     other built them after receiving the metadata, and the resume hung; now every worker
     builds them at one point, and both end on the uninterrupted run's weights and optimizer
     variables, bit for bit."""
     spec = cluster_runner.local_spec(2)
     for phase in ("uninterrupted", "crashed"):
-        cluster_runner.check_ok(cluster_runner.run_cluster([GAN_SCRIPT, tmp_path, "--workers", phase], spec=spec,
-                                                           env={"PYTHONPATH": ROOT}, timeout=240))
+        results = cluster_runner.run_cluster([GAN_SCRIPT, tmp_path, "--workers", phase], spec=spec,
+                                             env={"PYTHONPATH": ROOT}, timeout=240)
+        cluster_runner.check_ok(results)
     assert all(json.loads((tmp_path / f"crashed-{i}.json").read_text()) == {"crash": "crashed"} for i in (0, 1))
     host = tmp_path / "crashed" / "host-1"  # Worker 1's disk, which holds its backups only.
     assert [step for step, _ in finished_backups(host)["worker-1"]] == [4, 5]
@@ -533,7 +534,8 @@ def test_a_gan_on_two_workers_one_of_them_without_its_backup_resumes_bit_identic
     results = cluster_runner.run_cluster([GAN_SCRIPT, tmp_path, "--workers", "resumed"], spec=spec,
                                          env={"PYTHONPATH": ROOT}, timeout=240)
     cluster_runner.check_ok(results)
-    assert "worker:1 resumes at step 5 (epoch 2, step 1 of it) from a peer" in results[1].output, results[1].output[-3000:]
+    said = "worker:1 resumes at step 5 (epoch 2, step 1 of it) from a peer"
+    assert said in results[1].output, results[1].output[-3000:]
     for index in (0, 1):
         uninterrupted = json.loads((tmp_path / f"uninterrupted-{index}.json").read_text())
         resumed = json.loads((tmp_path / f"resumed-{index}.json").read_text())

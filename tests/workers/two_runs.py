@@ -17,19 +17,24 @@ import tensorflow as tf
 import distrib_tf
 
 
+def _summed(strategy, dtype):
+    """Ones of `dtype`, all-reduced over `strategy`'s replicas."""
+
+    @tf.function
+    def summed():
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("SUM", tf.ones([3], dtype)))
+
+    return summed()
+
+
 def tensorflow_alone():
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
     for dtype in (tf.float32, tf.float64):
         strategy = tf.distribute.MirroredStrategy(devices)
-
-        @tf.function
-        def summed():
-            return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("SUM", tf.ones([3], dtype)))  # pylint: disable=cell-var-from-loop
-
         try:
-            strategy.experimental_local_results(summed())
+            strategy.experimental_local_results(_summed(strategy, dtype))
         except tf.errors.OpError as error:
             return {"error": next(line for line in error.message.splitlines() if "Collective instance" in line)}
     return {"error": None}
