@@ -517,9 +517,9 @@ def test_a_gan_with_optimizers_of_its_own_crashed_inside_an_epoch_resumes_bit_id
 def test_a_gan_on_two_workers_one_of_them_without_its_backup_resumes_bit_identical(tmp_path):
     """The GAN of the test above on 2 workers, each on a disk of its own, crashed at step 7,
     worker 1's backups then lost (a host that lost its disk): worker 1 receives step 5's
-    state from worker 0, the optimizers the model holds included. A worker holding the backup built them on its own while loading
-    it (creating their variables: a collective under MultiWorkerMirroredStrategy) while the
-    other built them after receiving the metadata, and the resume hung; now every worker
+    state from worker 0, the optimizers the model holds included. A worker holding the backup
+    built them on its own while loading it (creating their variables: a collective under
+    MultiWorkerMirroredStrategy) while the other built them after receiving the metadata, and the resume hung; now every worker
     builds them at one point, and both end on the uninterrupted run's weights and optimizer
     variables, bit for bit."""
     spec = cluster_runner.local_spec(2)
