@@ -519,9 +519,9 @@ def test_a_gan_on_two_workers_one_of_them_without_its_backup_resumes_bit_identic
     worker 1's backups then lost (a host that lost its disk): worker 1 receives step 5's
     state from worker 0, the optimizers the model holds included. A worker holding the backup
     built them on its own while loading it (creating their variables: a collective under
-    MultiWorkerMirroredStrategy) while the other built them after receiving the metadata, and the resume hung; now every worker
-    builds them at one point, and both end on the uninterrupted run's weights and optimizer
-    variables, bit for bit."""
+    MultiWorkerMirroredStrategy) while the other built them after receiving the metadata, and
+    the resume hung; now every worker builds them at one point, and both end on the
+    uninterrupted run's weights and optimizer variables, bit for bit."""
     spec = cluster_runner.local_spec(2)
     for phase in ("uninterrupted", "crashed"):
         results = cluster_runner.run_cluster([GAN_SCRIPT, tmp_path, "--workers", phase], spec=spec,
