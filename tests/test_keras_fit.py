@@ -512,6 +512,24 @@ def test_a_gan_with_optimizers_of_its_own_crashed_inside_an_epoch_resumes_bit_id
     assert resumed["optimizers"] == uninterrupted["optimizers"]
 
 
+def test_a_gan_whose_step_logs_losses_of_its_own_stops_at_the_step_its_weights_turn_nan(tmp_path):
+    """A `train_step` of the model's own (keras.io's DCGAN) returns `d_loss` and `g_loss` and
+    never updates the run's NaN metric: a NaN image trained on silently to the end, every
+    weight NaN. The run checks the weights itself there: it stops at the step that took the
+    NaN batch, on both replicas, naming the weights."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from workers.keras_io_shapes import make_gan  # pylint: disable=import-outside-toplevel
+
+    images = np.random.RandomState(3).rand(32, 8, 8, 1)
+    images[17] = np.nan  # The third batch of 8: step 3.
+    with distrib_tf.Run(tmp_path / "run", strategy="mirrored", cpu_replicas=2, exit_on_error=False):
+        gan = make_gan(keras, tf)
+        with pytest.raises(distrib_tf.NonFiniteLoss) as raised:
+            gan.fit(tf.data.Dataset.from_tensor_slices(images).batch(8), epochs=2, verbose=0)
+    assert raised.value.step == 3, str(raised.value)
+    assert "first seen in the weights of every replica" in str(raised.value)
+
+
 @pytest.mark.slow
 @pytest.mark.multiworker
 def test_a_gan_on_two_workers_one_of_them_without_its_backup_resumes_bit_identical(tmp_path):

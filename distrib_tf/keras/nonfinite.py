@@ -238,22 +238,22 @@ class StopOnNonFinite(keras.callbacks.Callback):
         weights = self.model.trainable_variables
         if self._metric is not None:
             self._metric.watch(weights)
-        else:
-            self._weights_finite = tf.function(lambda: _all_finite(weights))
+        self._weights_finite = tf.function(lambda: _all_finite([w.value for w in weights]))
 
     def on_train_batch_end(self, batch, logs=None):
         self.step = self.steps(self.model)
         logs = logs or {}
-        if self._metric is not None:
-            # The same values on every worker; one per output where Keras applied it to each.
-            flagged = any(float(v) != 0.0 for k, v in logs.items() if k.endswith(METRIC))
-        else:
-            flagged = not bool(self._weights_finite())
+        # The same values on every worker; one per output where Keras applied it to each. A
+        # `train_step` of the model's own that returns logs of its own (keras.io's GANs:
+        # `d_loss`, `g_loss`) never updates or logs the metric: the weights are checked here.
+        flags = [v for k, v in logs.items() if k.endswith(METRIC)]
+        logged = self._metric is not None and bool(flags)
+        flagged = any(float(v) != 0.0 for v in flags) if logged else not bool(self._weights_finite())
         finite_loss = math.isfinite(float(logs.get("loss", 0.0)))
         if (finite_loss and not flagged) or (self.defer and not finite_loss):
             return  # (Deferring: the user's `TerminateOnNaN` acts on the loss, as in Keras, on every worker alike.)
         culprits, where = [], "predictions"
-        if self._metric is not None:  # Every worker is here at this step: one all-gather.
+        if logged:  # Every worker is here at this step: one all-gather.
             strategy = self.model.distribute_strategy
             local = np.array([[float(p.numpy()), float(f.numpy())] for p, f in zip(
                 _per_replica(strategy, self._metric.in_predictions),
@@ -265,6 +265,8 @@ class StopOnNonFinite(keras.callbacks.Callback):
                 culprits = [f"replica {r} ({task})" for r, (task, bad) in enumerate(zip(self.workers, seen))
                             if bad[1]]
                 where = "weights"
+        elif flagged:  # Checked here: the weights, the same on every replica after a synchronous update.
+            culprits, where = ["every replica"], "weights"
         epoch = (self.step - 1) // self.steps_per_epoch + 1
         raise NonFiniteLoss(self.step, epoch, culprits, where)
 
