@@ -222,7 +222,8 @@ def _split_cpu(replicas: int) -> list[str]:
 # every strategy: a second one in the process (a notebook cell run again) reused the first's
 # keys, and its first all-reduce of another dtype or shape failed ("Collective instance 100
 # expected type 0 and data_type 1 but got type 0 and data_type 2"). Each strategy made here
-# starts at a base of its own, through the class attribute TensorFlow's own tests set.
+# starts at a base of its own: the attribute TensorFlow's own tests set on the class, set on
+# the strategy being made (nothing of TensorFlow's is changed for the rest of the process).
 _KEYS_APART = 1000  # A strategy uses one group key per set of devices.
 _mirrored_made = itertools.count(1)
 
@@ -236,12 +237,11 @@ def _make_mirrored(options: StrategyOptions) -> tf.distribute.Strategy:
     else:
         devices = _split_cpu(options.cpu_replicas or 1)
         cross_device_ops = None
-    mirrored = tf.distribute.MirroredStrategy
-    default, mirrored._collective_key_base = mirrored._collective_key_base, _KEYS_APART * next(_mirrored_made)
-    try:
-        return mirrored(devices=devices, cross_device_ops=cross_device_ops)
-    finally:
-        mirrored._collective_key_base = default
+    # The base is read by MirroredExtended from the strategy being made, before __init__ ends.
+    strategy = tf.distribute.MirroredStrategy.__new__(tf.distribute.MirroredStrategy)
+    strategy._collective_key_base = _KEYS_APART * next(_mirrored_made)  # pylint: disable=protected-access
+    strategy.__init__(devices=devices, cross_device_ops=cross_device_ops)
+    return strategy
 
 
 def _make_one_device() -> tf.distribute.Strategy:

@@ -516,18 +516,27 @@ def test_a_gan_whose_step_logs_losses_of_its_own_stops_at_the_step_its_weights_t
     """A `train_step` of the model's own (keras.io's DCGAN) returns `d_loss` and `g_loss` and
     never updates the run's NaN metric: a NaN image trained on silently to the end, every
     weight NaN. The run checks the weights itself there: it stops at the step that took the
-    NaN batch, on both replicas, naming the weights."""
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    from workers.keras_io_shapes import make_gan  # pylint: disable=import-outside-toplevel
-
-    images = np.random.RandomState(3).rand(32, 8, 8, 1)
-    images[17] = np.nan  # The third batch of 8: step 3.
-    with distrib_tf.Run(tmp_path / "run", strategy="mirrored", cpu_replicas=2, exit_on_error=False):
-        gan = make_gan(keras, tf)
-        with pytest.raises(distrib_tf.NonFiniteLoss) as raised:
-            gan.fit(tf.data.Dataset.from_tensor_slices(images).batch(8), epochs=2, verbose=0)
-    assert raised.value.step == 3, str(raised.value)
-    assert "first seen in the weights of every replica" in str(raised.value)
+    NaN batch, on both replicas, naming the replicas whose weights hold it."""
+    script = f"""
+import sys
+sys.path.insert(0, {os.path.join(ROOT, "tests", "workers")!r})
+import distrib_tf
+run = distrib_tf.Run({str(tmp_path / "run")!r}, strategy="mirrored", cpu_replicas=2, exit_on_error=False)
+import keras, numpy as np, tensorflow as tf
+from keras_io_shapes import make_gan
+images = np.random.RandomState(3).rand(32, 8, 8, 1)
+images[17] = np.nan  # The third batch of 8: step 3.
+with run:
+    gan = make_gan(keras, tf)
+    try:
+        gan.fit(tf.data.Dataset.from_tensor_slices(images).batch(8), epochs=2, verbose=0)
+    except distrib_tf.NonFiniteLoss as error:
+        print("STOPPED", error.step, error)
+"""
+    proc = cluster_runner.run([sys.executable, "-c", script], timeout=180, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = "STOPPED 3 Non-finite loss or gradient at step 3 (epoch 1); NaN or Inf first seen in the weights of replica 0"
+    assert said in proc.stdout, proc.stdout[-3000:]
 
 
 @pytest.mark.slow

@@ -238,7 +238,7 @@ class StopOnNonFinite(keras.callbacks.Callback):
         weights = self.model.trainable_variables
         if self._metric is not None:
             self._metric.watch(weights)
-        self._weights_finite = tf.function(lambda: _all_finite([w.value for w in weights]))
+        self._replicas_nonfinite = _replicas_nonfinite(self.model.distribute_strategy, weights)
 
     def on_train_batch_end(self, batch, logs=None):
         self.step = self.steps(self.model)
@@ -248,7 +248,9 @@ class StopOnNonFinite(keras.callbacks.Callback):
         # `d_loss`, `g_loss`) never updates or logs the metric: the weights are checked here.
         flags = [v for k, v in logs.items() if k.endswith(METRIC)]
         logged = self._metric is not None and bool(flags)
-        flagged = any(float(v) != 0.0 for v in flags) if logged else not bool(self._weights_finite())
+        # Checked here, each replica's weights (they differ between averages under sync="every:N").
+        replicas = [] if logged else self._replicas_nonfinite()
+        flagged = any(float(v) != 0.0 for v in flags) if logged else any(replicas)
         finite_loss = math.isfinite(float(logs.get("loss", 0.0)))
         if (finite_loss and not flagged) or (self.defer and not finite_loss):
             return  # (Deferring: the user's `TerminateOnNaN` acts on the loss, as in Keras, on every worker alike.)
@@ -265,10 +267,27 @@ class StopOnNonFinite(keras.callbacks.Callback):
                 culprits = [f"replica {r} ({task})" for r, (task, bad) in enumerate(zip(self.workers, seen))
                             if bad[1]]
                 where = "weights"
-        elif flagged:  # Checked here: the weights, the same on every replica after a synchronous update.
-            culprits, where = ["every replica"], "weights"
+        elif flagged:
+            culprits = [f"replica {r} ({task})" for r, (task, bad) in enumerate(zip(self.workers, replicas)) if bad]
+            where = "weights"
         epoch = (self.step - 1) // self.steps_per_epoch + 1
         raise NonFiniteLoss(self.step, epoch, culprits, where)
+
+
+def _replicas_nonfinite(strategy, weights):
+    """A function giving, for each replica in order, whether its copy of `weights` holds a
+    NaN or Inf: one all-reduce, entered by every worker, whose answer every worker shares."""
+    replicas = strategy.num_replicas_in_sync
+
+    @tf.function
+    def flags():
+        def replica_fn():
+            context = tf.distribute.get_replica_context()
+            bad = tf.cast(tf.logical_not(_all_finite([w.value for w in weights])), tf.float32)
+            return context.all_reduce("SUM", tf.one_hot(context.replica_id_in_sync_group, replicas) * bad)
+        return strategy.run(replica_fn)
+
+    return lambda: [bool(f) for f in strategy.experimental_local_results(flags())[0].numpy()]
 
 
 def _per_replica(strategy, variable):

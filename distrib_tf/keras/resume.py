@@ -95,12 +95,10 @@ def load_state(model, path: str, meta: dict) -> None:
 
 
 def _state_variables(model, meta: dict) -> list:
-    """The variables a backup with metadata `meta` holds, in its order; the optimizers it
-    names that the model holds besides `model.optimizer` are built first (where Keras builds
-    them at their first step: on a GAN, inside it)."""
-    held = meta.get("optimizers") or []
-    held_optimizers.build(model, held)
-    return backup.state_variables(model, held_optimizers.variables(model, held))
+    """The variables a backup with metadata `meta` holds, in its order (the optimizers it names
+    that the model holds besides `model.optimizer`: built by `agree_on_resume`, on every worker
+    at one point)."""
+    return backup.state_variables(model, held_optimizers.variables(model, meta.get("optimizers") or []))
 
 
 def seed_states(model) -> list:
