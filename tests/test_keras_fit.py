@@ -535,7 +535,8 @@ with run:
 """
     proc = cluster_runner.run([sys.executable, "-c", script], timeout=180, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    said = "STOPPED 3 Non-finite loss or gradient at step 3 (epoch 1); NaN or Inf first seen in the weights of replica 0"
+    said = ("STOPPED 3 Non-finite loss or gradient at step 3 (epoch 1); NaN or Inf first seen in the weights "
+            "of replica 0")
     assert said in proc.stdout, proc.stdout[-3000:]
 
 
