@@ -115,6 +115,27 @@ def test_a_study_of_another_script_is_refused_and_kept(tmp_path):
     assert [(t.state.name, t.value, t.params) for t in kept.trials] == [("COMPLETE", 0.5, {"units": 4})]
 
 
+def test_a_study_with_a_job_of_another_engine_running_is_refused_and_kept(tmp_path):
+    """A sweep on the local engine (the default) started on a study whose trial runs as a
+    Slurm job would have told that trial failed and trained its values again beside the job.
+    It is refused in one line naming the trial, the job and the engine that follows it; the
+    trial stays running."""
+    url = f"journal:{tmp_path}/study.log"
+    space = sweep_space.parse_space("units=[4,8]", kinds=None)
+    study = sweep.open_study(str(tmp_path), space, sampler="grid", seed=0, mode="min", storage=url,
+                             program=SCRIPT)
+    trial = sweep.ask_new(study, space, "grid")
+    trial.set_user_attr("job", "slurm:4242")
+    result = _sweep(f"--sweep_dir={tmp_path}/sweep", f"--storage={url}", "--space=units=[4,8]", *ONE_WORKER,
+                    "--", "python", SCRIPT, timeout=60)
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and (
+        f"Invalid value for `--engine`. Received: local, while trial 0 of the study 'distrib_tf' in {url} runs as "
+        "slurm job 4242. Expected --engine=slurm, which follows that job to its end") in result.stderr, result.stderr
+    kept = _study(tmp_path, url, "distrib_tf", "units=[4,8]")
+    assert [(t.state.name, t.user_attrs) for t in kept.trials] == [("RUNNING", {"job": "slurm:4242"})]
+
+
 @pytest.mark.multiworker
 # make soak: the journal file. make test: the same sweep, kill and resume on PostgreSQL, and on SQLite in
 # tests/test_sweep.py; a journal study written, refused and read again (above); make test-ray sweeps on one.

@@ -84,6 +84,7 @@ from distrib_tf.experiments.sweep_study import leftovers
 from distrib_tf.experiments.sweep_study import make_pruner  # noqa: F401  (re-exported)
 from distrib_tf.experiments.sweep_study import open_study
 from distrib_tf.experiments.sweep_study import optuna_module
+from distrib_tf.experiments.sweep_study import refuse_other_engines_jobs
 from distrib_tf.experiments.sweep_study import words_said
 from distrib_tf.experiments.sweep_trial import Sweep
 from distrib_tf.experiments.sweep_trial import Trial
@@ -354,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                            startup_trials=args.pruner_startup_trials,
                            warmup_epochs=args.pruner_warmup_epochs, storage=url, study_name=args.study_name,
                            program=program_of(command, main_job))
+        refuse_other_engines_jobs(study, engine=args.engine, url=url)
     except ValueError as e:  # ClusterSpecError included.
         print(f"distrib-tf-sweep: error: {e}", file=sys.stderr)
         return exit_codes.USAGE

@@ -95,6 +95,19 @@ def ask_new(study, space: list[Dimension], sampler: str):
     return ask(study, space)
 
 
+def refuse_other_engines_jobs(study, *, engine: str, url: str) -> None:
+    """Raises ValueError (one line) if a running trial of `study` is a job of an engine other
+    than `engine` (its `job` user attribute, `ENGINE:ID`): a sweep here would train its values
+    again beside that job, which goes on; the sweep on that engine follows it to its end."""
+    for trial in study.get_trials(deepcopy=False, states=(optuna_module().trial.TrialState.RUNNING,)):
+        owner, _, number = str(trial.user_attrs.get("job", "")).partition(":")
+        if number and owner != engine:
+            raise ValueError(f"Invalid value for `--engine`. Received: {engine}, while trial {trial.number} of the "
+                             f"study {study.study_name!r} in {study_lib.hide_password(url)} runs as {owner} job "
+                             f"{number}. Expected --engine={owner}, which follows that job to its end (a sweep on "
+                             "another engine would train its values again beside it).")
+
+
 def leftovers(study, optuna, *, engine: str | None = None) -> tuple[list, list[tuple[dict, dict]], list]:
     """The trials that count against the budget, the values of interrupted ones to run
     again (with the `promoted` of a promoted attempt), and the running trials to follow again.
