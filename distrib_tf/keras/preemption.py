@@ -103,11 +103,16 @@ class SaveOnPreemption(keras.callbacks.Callback):
                              daemon=True).start()
 
     def _watch(self, key: str):
-        """Reads this fit's step once named (its own key: a later fit has another)."""
-        value = context.context().get_config_key_value(key)  # Blocks until set.
-        if value != _NONE and key == self._key:
-            self._target = int(value)
-        context.context().set_config_key_value(f"{key}/read/{self._me}", "1")
+        """Reads this fit's step once named (its own key: a later fit has another). The
+        coordination service gone (the job ended: a peer left first, by a NaN stop or an
+        error) leaves nothing to read, and nothing to say: the main thread says why it ended."""
+        try:
+            value = context.context().get_config_key_value(key)  # Blocks until set.
+            if value != _NONE and key == self._key:
+                self._target = int(value)
+            context.context().set_config_key_value(f"{key}/read/{self._me}", "1")
+        except tf.errors.OpError:
+            return
 
     def on_train_batch_end(self, batch, logs=None):
         step = self.worker_backup.step
