@@ -108,7 +108,9 @@ def test_evaluator_follows_the_chiefs_checkpoints(tmp_path):
     for name, value in summary["final"].items():
         assert evaluated[-1][name] == pytest.approx(value, rel=1e-4), (name, evaluated[-1], summary["final"])
     # The chief's outputs, and the evaluator's in eval/ only.
-    assert sorted(os.listdir(model_dir)) == ["checkpoints", "eval", "logs", "model.keras", "serving", "summary.json"]
+    assert sorted(os.listdir(model_dir)) == ["backup", "checkpoints", "eval", "logs", "model.keras", "serving",
+                                             "summary.json"]
+    assert sorted(os.listdir(model_dir / "backup")) == ["chief-0", "worker-0", "worker-1"]  # No evaluator.
     assert sorted(os.listdir(model_dir / "checkpoints")) == [
         "epoch001.json", "epoch001.weights.h5", "epoch002.json", "epoch002.weights.h5"]
     eval_files = os.listdir(model_dir / "eval")

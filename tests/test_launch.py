@@ -358,3 +358,42 @@ def test_a_tasks_own_75_is_the_launchers_only_when_every_task_saved(tmp_path):
     assert result.returncode == 130, result.stdout[-2000:]
     assert ("worker:0 was preempted, but not every task saved its state (worker:0 exited with code 75; "
             "worker:1 was killed by SIGKILL): exit code 130") in result.stdout, result.stdout[-2000:]
+
+
+# worker:0 stands for a task whose run saved (its handler exits 75); worker:1 for one still in
+# its imports, SIGTERM's default action ending it. Each says "ready" once it is so.
+_SAVER_AND_STARTING = """
+import json, os, signal, sys, time
+if json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("script, code, said", [
+    (_SAVER_AND_STARTING, 75, "preempted: every worker saved its state (worker:1: stopped before its run started, "
+                              "nothing to save); start the job again to resume"),
+    ("import time; print('ready', flush=True); time.sleep(120)", 130,
+     "SIGTERM: not every task saved its state (worker:0 was killed by SIGTERM; worker:1 was killed by SIGTERM)"),
+])
+def test_a_task_sigtermed_before_its_run_beside_one_that_saved_lost_nothing(tmp_path, script, code, said):
+    """Issue 63: a SIGTERM that reached a task before its run installed its handler ended it by
+    the signal's default; the launcher said 130 though that task had trained nothing and its
+    peer saved. Beside a peer that saved, it is a preemption (75), the task named; with no
+    task that saved (a script without a run, perhaps), 130 still."""
+    log = tmp_path / "out"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*LAUNCH, "--workers=2", "--grace_period=10", "--", sys.executable, "-c", script],
+                                env=ENV, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while log.read_text().count("ready") < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == code, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert said in log.read_text(), log.read_text()

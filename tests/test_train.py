@@ -75,8 +75,8 @@ def test_killed_run_resumes_from_backup(tmp_path):
     env = {**os.environ, **QUIET_TF, **ENV}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    deadline = time.monotonic() + 180
-    while latest_backup(tmp_path) is None and time.monotonic() < deadline and proc.poll() is None:
+    deadline = time.monotonic() + 180  # Killed once an epoch's end is backed up (not the start's, epoch 0).
+    while (latest_backup(tmp_path) or {}).get("epoch", 0) < 1 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

@@ -353,9 +353,17 @@ def _stop_on_signal(group, signum, config, attempt, first_failure, console) -> L
     if all(code == exit_codes.OK for code in codes):  # They had finished: nothing to resume.
         _say(f"every task succeeded (attempt {attempt})", console)
         return LaunchResult(exit_codes.OK, attempt, first_failure)
-    saved = exit_codes.PREEMPTED in codes and all(code in (exit_codes.OK, exit_codes.PREEMPTED) for code in codes)
+    # A task SIGTERM killed by the signal's default had no run (a run's handler saves and exits
+    # 75): still starting its interpreter and imports, it trained nothing and holds nothing to
+    # save, and its peers could train nothing without it. Beside a peer that saved (so the job
+    # is a run's), the job lost nothing. Alone, it may be a script without a run: 130.
+    unstarted = [task for task, code in zip(group.procs, codes) if code == -signal.SIGTERM]
+    saved = exit_codes.PREEMPTED in codes and all(
+        code in (exit_codes.OK, exit_codes.PREEMPTED, -signal.SIGTERM) for code in codes)
     if signum in SAVING_SIGNALS and saved:
-        _say("preempted: every worker saved its state; start the job again to resume", console)
+        before = (f" ({', '.join(map(str, unstarted))}: stopped before its run started, nothing to save)"
+                  if unstarted else "")
+        _say(f"preempted: every worker saved its state{before}; start the job again to resume", console)
         return LaunchResult(exit_codes.PREEMPTED, attempt, first_failure)
     ended = "; ".join(TaskExit(task, code, []).describe() for task, code in zip(group.procs, codes))
     _say(f"{signal.Signals(signum).name}: not every task saved its state ({ended}): exit code "
