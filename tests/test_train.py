@@ -83,9 +83,11 @@ def test_killed_run_resumes_from_backup(tmp_path):
     assert latest_backup(tmp_path), "no backup written before the deadline"
     done = latest_backup(tmp_path)["epoch"]
     assert done in (1, 2)
-    check_ok([run_single(args[1:], env=ENV, timeout=300)])
+    resumed = run_single(args[1:], env=ENV, timeout=300)
+    check_ok([resumed])
+    assert f"resumes at step {done * 40} (epoch {done + 1}, step 0 of it)" in resumed.output, resumed.output[-3000:]
     summary = _summary(tmp_path)
-    assert [e["epoch"] for e in summary["epochs"]] == list(range(done + 1, 4))
+    assert [e["epoch"] for e in summary["epochs"]] == [1, 2, 3]  # Every epoch once, those before from the backup.
 
 
 # The layouts compute the same sums in different orders, so they agree to the rounding of

@@ -30,9 +30,11 @@ def _purge_own() -> None:
         del sys.modules[name]
 
 
-def become(request: dict, fds: list, own: list, server: int) -> None:
+def become(request: dict, fds: list, own: list, server: int, settling: int) -> None:
     """In the fork of the process `server`: the caller's streams, descriptors, namespace,
-    environment and directory, then the command, then Python's own end. Never returns."""
+    environment and directory, then the command, then Python's own end. Never returns.
+    Writes to `settling` once it leads a session of its own with the signals' own meanings
+    (the server hands out its pid then: a signal to it from then on is its own)."""
     code = 1
     try:
         os.setsid()
@@ -40,6 +42,8 @@ def become(request: dict, fds: list, own: list, server: int) -> None:
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.write(settling, b"1")
+        os.close(settling)
         given = fds[:-len(NAMESPACE_FLAGS)]
         _join(dict(zip(NAMESPACE_FLAGS, fds[-len(NAMESPACE_FLAGS):])))
         targets = [0, 1, 2, *request["pass_fds"]]

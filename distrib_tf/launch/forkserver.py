@@ -318,12 +318,20 @@ def _answer(conn, described, selector, listener) -> int | None:
     if request.get("describe"):
         _send(conn, described)
         return None
+    settled, settling = os.pipe()
     pid = os.fork()
     if pid == 0:
+        os.close(settled)
         _forked.become(request, fds, own=[selector.fileno(), *(k.fd for k in selector.get_map().values())],
-                       server=described["pid"])
+                       server=described["pid"], settling=settling)
+    os.close(settling)
     for fd in fds:
         os.close(fd)
+    # The pid goes out once the child leads a session of its own with SIGTERM's default meaning:
+    # a caller's killpg before that found no group (or ran this server's handler), and the
+    # SIGTERM was lost. (EOF: the child died first; its caller learns that from its exit.)
+    os.read(settled, 1)
+    os.close(settled)
     _send(conn, {"pid": pid})  # A caller gone already: its closed connection kills the child next.
     return pid
 
