@@ -43,13 +43,8 @@ oldest_tests=(
   tests/test_run.py::test_rollback_under_a_schedule_goes_on_and_survives_a_restart
 )
 oldest=${minors%% *}
-# DISTRIB_TF_MINORS=oldest: that one only (CI's budget); =others: all but it (make soak).
-case "${DISTRIB_TF_MINORS:-all}" in
-  oldest) minors=$oldest ;;
-  others) minors=$(echo ${minors#"$oldest"}) ;;
-  all) ;;
-  *) echo "test_compat.sh: DISTRIB_TF_MINORS is '$DISTRIB_TF_MINORS'; expected oldest, others or all" >&2; exit 2 ;;
-esac
+source scripts/minors.sh
+minors=$(pick_minors "$minors")
 failed=()
 for minor in $minors; do
   if [ "$minor" = "$base_minor" ]; then

@@ -26,15 +26,8 @@ PY
 )
 # .venv's own TensorFlow minor is the one `make test` runs everything on.
 base_minor=$(TF_CPP_MIN_LOG_LEVEL=3 .venv/bin/python -c 'import tensorflow as tf; print(tf.__version__.split(".")[1])' 2>/dev/null || true)
-# DISTRIB_TF_MINORS=oldest: the oldest declared minor only (CI's budget: it is the furthest from
-# .venv's, which make test runs); =others: the ones between (make soak).
-oldest=${minors%% *}
-case "${DISTRIB_TF_MINORS:-all}" in
-  oldest) minors=$oldest ;;
-  others) minors=$(echo ${minors#"$oldest"}) ;;
-  all) ;;
-  *) echo "test_tf.sh: DISTRIB_TF_MINORS is '$DISTRIB_TF_MINORS'; expected oldest, others or all" >&2; exit 2 ;;
-esac
+source scripts/minors.sh
+minors=$(pick_minors "$minors")
 minors=${DISTRIB_TF_TF_MINORS:-$minors}
 # Lean, for CI's budget: the Keras fixes at work but the slow tests (make soak: among them the
 # kill-and-resume one). Not "each fix is needed": whether upstream still fails without a fix is
