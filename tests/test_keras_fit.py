@@ -4,6 +4,7 @@ several stages each resumed at its step, stateful callbacks that carry on after 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -558,7 +559,7 @@ def test_a_gan_on_two_workers_one_of_them_without_its_backup_resumes_bit_identic
     assert all(json.loads((tmp_path / f"crashed-{i}.json").read_text()) == {"crash": "crashed"} for i in (0, 1))
     host = tmp_path / "crashed" / "host-1"  # Worker 1's disk, which holds its backups only.
     assert [step for step, _ in finished_backups(host)["worker-1"]] == [4, 5]
-    subprocess.run(["rm", "-rf", str(host / "backup")], check=True)
+    shutil.rmtree(host / "backup")
     results = cluster_runner.run_cluster([GAN_SCRIPT, tmp_path, "--workers", "resumed"], spec=spec,
                                          env={"PYTHONPATH": ROOT}, timeout=240)
     cluster_runner.check_ok(results)
